@@ -1,0 +1,1 @@
+"""The gateway package: the HTTP process that fronts every model worker."""

@@ -1,0 +1,1 @@
+"""HTTP routes of the gateway process: OpenAI API, admin API, health endpoints."""

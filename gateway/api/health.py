@@ -1,0 +1,44 @@
+"""Health and admin routes: /health/live, /health/ready, /admin/workers.
+
+Runs in the gateway process. Owns the JSON views of worker and model state; readiness is 503
+until every model has a ready replica.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from quart import Blueprint, jsonify
+
+from gateway.state import current_gateway
+
+blueprint = Blueprint("health", __name__)
+
+
+@blueprint.get("/health/live")
+async def live() -> Any:
+    return jsonify({"status": "ok"})
+
+
+@blueprint.get("/health/ready")
+async def ready() -> Any:
+    gateway = current_gateway()
+    models = {}
+    for name, route in gateway.router.routes.items():
+        models[name] = {
+            "state": route.state,
+            "ready": any(r.ready for r in route.replicas),
+            "replicas": [
+                {"id": r.id, "state": r.state, "detail": r.detail, "last_error": r.last_error}
+                for r in route.replicas
+            ],
+        }
+    all_ready = all(m["ready"] for m in models.values()) and not gateway.service.draining
+    status = "ready" if all_ready else ("draining" if gateway.service.draining else "not_ready")
+    return jsonify({"status": status, "models": models}), (200 if all_ready else 503)
+
+
+@blueprint.get("/admin/workers")
+async def workers() -> Any:
+    gateway = current_gateway()
+    return jsonify({"workers": [w.describe() for w in gateway.supervisor.workers.values()]})

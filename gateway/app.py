@@ -1,0 +1,84 @@
+"""The Quart app factory: routes, error rendering, and the lifecycle of the gateway's parts.
+
+Runs in the gateway process. `before_serving` binds the worker socket and spawns workers;
+`after_serving` drains and stops them. Every error leaves in OpenAI's shape, without a traceback.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from quart import Quart, jsonify
+from werkzeug.exceptions import HTTPException
+
+from gateway.api import health, openai
+from gateway.config import Registry
+from gateway.errors import APIError, error_body
+from gateway.state import Gateway
+
+logger = logging.getLogger(__name__)
+
+_HTTP_ERROR_TYPES = {404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error"}
+
+
+def make_runtime_dir(registry: Registry) -> Path:
+    """A private (0700) folder for the ipc socket, so no other local user can talk to workers."""
+    if registry.server.runtime_dir is not None:
+        path = Path(registry.server.runtime_dir)
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        path.chmod(0o700)
+        return path
+    return Path(tempfile.mkdtemp(prefix="llm-gw-"))
+
+
+def create_app(registry: Registry) -> Quart:
+    app = Quart(__name__)
+    app.config["MAX_CONTENT_LENGTH"] = registry.server.max_body_bytes
+    app.config["RESPONSE_TIMEOUT"] = None  # streams may legitimately run for many minutes
+    app.config["BODY_TIMEOUT"] = 60
+    app.config["JSON_SORT_KEYS"] = False
+    runtime_dir = make_runtime_dir(registry)
+    gateway = Gateway.build(registry, runtime_dir)
+    app.extensions["gateway"] = gateway
+    app.register_blueprint(openai.blueprint)
+    app.register_blueprint(health.blueprint)
+
+    @app.before_serving
+    async def start_gateway() -> None:
+        await gateway.link.start()
+        gateway.service.start()
+        gateway.supervisor.start()
+        logger.info("gateway serving %d model(s); workers on %s", len(registry.models), gateway.link.endpoint)
+
+    @app.after_serving
+    async def stop_gateway() -> None:
+        gateway.service.draining = True
+        await gateway.supervisor.stop(registry.server.shutdown_grace_s)
+        await gateway.service.stop()
+        await gateway.link.close()
+        if registry.server.runtime_dir is None:
+            shutil.rmtree(runtime_dir, ignore_errors=True)
+        logger.info("gateway stopped")
+
+    @app.errorhandler(APIError)
+    async def api_error(error: APIError) -> Any:
+        return jsonify(error.body()), error.status, error.headers
+
+    @app.errorhandler(HTTPException)
+    async def http_error(error: HTTPException) -> Any:
+        status = error.code or 500
+        body = error_body(
+            error.description or error.name, _HTTP_ERROR_TYPES.get(status, "invalid_request_error")
+        )
+        return jsonify(body), status
+
+    @app.errorhandler(Exception)
+    async def unexpected_error(error: Exception) -> Any:
+        logger.exception("unhandled error")
+        return jsonify(error_body("internal server error", "server_error", None, "internal_error")), 500
+
+    return app

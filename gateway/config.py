@@ -1,0 +1,171 @@
+"""The model registry (config/models.yaml): schema, loading and error reporting.
+
+Runs in the gateway process (and in `gateway check-config`). Owns the pydantic models of the
+registry. Configs are frozen once loaded; unknown keys are errors; every error names the file,
+the model and the field.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class SamplingDefaults(_Strict):
+    """Per-model defaults; a request's own values override them."""
+
+    max_tokens: int = Field(512, ge=1, description="Completion length when the request gives none.")
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0, description="0 disables top-k.")
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    typical_p: float = Field(1.0, gt=0.0, le=1.0)
+    repetition_penalty: float = Field(1.0, gt=0.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+
+
+class ModelLimits(_Strict):
+    max_concurrent_jobs: int = Field(8, ge=1, description="Jobs sent to the worker at once.")
+    max_queued_requests: int = Field(64, ge=0, description="Requests waiting in the gateway beyond that.")
+    max_queued_prompt_tokens: int = Field(1_000_000, ge=0, description="Prompt tokens waiting, summed.")
+    request_timeout_s: float = Field(600.0, gt=0, description="Deadline for one request, queueing included.")
+    full_queue_status: Literal[429, 503] = Field(429, description="HTTP status when the queue is full.")
+
+
+class ModelConfig(_Strict):
+    name: str = Field(..., min_length=1, pattern=r"^[A-Za-z0-9._:/-]+$", description="What clients send.")
+    engine: Literal["exllamav2", "transformers"] = "exllamav2"
+    path: Path = Field(..., description="Model folder (HF layout); relative to the registry file.")
+    gpus: list[int] = Field(default_factory=list, description="GPU indices; empty means CPU.")
+    max_seq_len: int = Field(4096, ge=16)
+    aliases: list[str] = Field(default_factory=list)
+    defaults: SamplingDefaults = Field(default_factory=SamplingDefaults)
+    limits: ModelLimits = Field(default_factory=ModelLimits)
+    chat_template: str | None = Field(None, description="Inline Jinja template or a path to a file.")
+    # Engine settings (exllamav2 uses all; transformers uses max_batch_size, max_chunk_size, dtype, threads).
+    max_batch_size: int = Field(8, ge=1)
+    max_chunk_size: int = Field(2048, ge=16)
+    cache_size: int | None = Field(None, ge=16, description="KV cache tokens; default max_seq_len x batch.")
+    cache_mode: Literal["FP16", "Q4", "Q6", "Q8"] = "FP16"
+    gpu_split: list[float] | None = Field(None, description="GB per GPU; default autosplit.")
+    reserve_vram_gb: float = Field(0.0, ge=0.0)
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
+    threads: int | None = Field(None, ge=1, description="CPU threads for torch in this worker.")
+    draft_path: Path | None = Field(None, description="Draft model folder for speculative decoding.")
+
+    @field_validator("gpus")
+    @classmethod
+    def _gpus_unique(cls, gpus: list[int]) -> list[int]:
+        if len(set(gpus)) != len(gpus) or any(g < 0 for g in gpus):
+            raise ValueError("GPU indices must be distinct and non-negative")
+        return gpus
+
+    @model_validator(mode="after")
+    def _split_matches_gpus(self) -> ModelConfig:
+        if self.gpu_split is not None and len(self.gpu_split) != len(self.gpus):
+            raise ValueError("gpu_split needs one entry per GPU in gpus")
+        if self.engine == "exllamav2" and not self.gpus:
+            raise ValueError("the exllamav2 engine needs at least one GPU in gpus")
+        return self
+
+
+class ServerConfig(_Strict):
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    runtime_dir: Path | None = Field(None, description="Where ipc sockets live; default a private temp dir.")
+    worker_start_timeout_s: float = Field(600.0, gt=0, description="Load plus warm-up deadline per worker.")
+    heartbeat_interval_s: float = Field(1.0, gt=0)
+    heartbeat_timeout_s: float = Field(30.0, gt=0, description="No frame for this long: worker lost.")
+    max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024)
+    shutdown_grace_s: float = Field(10.0, ge=0)
+    sse_keepalive_s: float = Field(15.0, gt=0, description="SSE comment ping while a stream waits.")
+
+
+class Registry(_Strict):
+    server: ServerConfig = Field(default_factory=ServerConfig)
+    models: list[ModelConfig] = Field(..., min_length=1)
+    source: Path | None = Field(None, exclude=True)
+
+    @model_validator(mode="after")
+    def _names_unique(self) -> Registry:
+        seen: dict[str, str] = {}
+        for model in self.models:
+            for name in (model.name, *model.aliases):
+                if name in seen:
+                    raise ValueError(
+                        f"name {name!r} of model {model.name!r} is already used by {seen[name]!r}"
+                    )
+                seen[name] = model.name
+        return self
+
+    def model(self, name: str) -> ModelConfig | None:
+        for model in self.models:
+            if name == model.name or name in model.aliases:
+                return model
+        return None
+
+
+class ConfigError(Exception):
+    """A registry that cannot be used; str() is the message shown to the operator."""
+
+
+def _describe(error: dict[str, Any], raw: Any) -> str:
+    loc = list(error["loc"])
+    where = []
+    if len(loc) >= 2 and loc[0] == "models" and isinstance(loc[1], int):
+        entry = raw["models"][loc[1]] if isinstance(raw, dict) else None
+        name = entry.get("name") if isinstance(entry, dict) else None
+        where.append(f"model {name!r}" if name else f"model #{loc[1] + 1}")
+        loc = loc[2:]
+    elif loc and loc[0] == "server":
+        where.append("server")
+        loc = loc[1:]
+    if loc:
+        where.append("field " + repr(".".join(str(p) for p in loc)))
+    message = error["msg"].removeprefix("Value error, ")
+    return f"{', '.join(where) or 'registry'}: {message}"
+
+
+def parse_registry(raw: Any, source: Path) -> Registry:
+    """Validate already-parsed YAML; relative model paths resolve against the file's folder."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: expected a mapping with 'models' at the top level")
+    try:
+        registry = Registry.model_validate({**raw, "source": source})
+    except ValidationError as exc:
+        lines = [f"{source}: {_describe(e, raw)}" for e in exc.errors()]
+        raise ConfigError("\n".join(lines)) from None
+    base = source.parent
+    models = [
+        m.model_copy(
+            update={
+                "path": (base / m.path).resolve(),
+                "draft_path": (base / m.draft_path).resolve() if m.draft_path else None,
+            }
+        )
+        for m in registry.models
+    ]
+    return registry.model_copy(update={"models": models})
+
+
+def load_registry(path: str | Path) -> Registry:
+    source = Path(path)
+    try:
+        text = source.read_text()
+    except OSError as exc:
+        raise ConfigError(f"{source}: cannot read: {exc.strerror}") from None
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark else ""
+        raise ConfigError(f"{source}: not valid YAML{where}: {getattr(exc, 'problem', exc)}") from None
+    return parse_registry(raw, source)

@@ -1,0 +1,94 @@
+"""The gateway's error hierarchy and its one renderer, in OpenAI's error shape.
+
+Runs in the gateway process. Every HTTP error leaves through `error_body`, as
+`{"error": {"message", "type", "param", "code"}}`; nothing here ever includes a traceback.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class APIError(Exception):
+    status = 500
+    type = "server_error"
+    code: str | None = "internal_error"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        if code is not None:
+            self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+class InvalidRequest(APIError):
+    status = 400
+    type = "invalid_request_error"
+    code = "invalid_request"
+
+
+class AuthenticationFailed(APIError):
+    status = 401
+    type = "authentication_error"
+    code = "invalid_api_key"
+
+
+class PermissionDenied(APIError):
+    status = 403
+    type = "permission_error"
+    code = "permission_denied"
+
+
+class ModelNotFound(APIError):
+    status = 404
+    type = "invalid_request_error"
+    code = "model_not_found"
+
+    def __init__(self, model: str) -> None:
+        super().__init__(f"The model '{model}' does not exist", param="model")
+
+
+class RequestTimeout(APIError):
+    status = 408
+    type = "timeout_error"
+    code = "request_timeout"
+
+
+class PayloadTooLarge(APIError):
+    status = 413
+    type = "invalid_request_error"
+    code = "payload_too_large"
+
+
+class QueueFull(APIError):
+    status = 429
+    type = "rate_limit_error"
+    code = "queue_full"
+
+
+class ServiceUnavailable(APIError):
+    status = 503
+    type = "service_unavailable_error"
+    code = "service_unavailable"
+
+
+class WorkerFailed(ServiceUnavailable):
+    """The worker serving the request died or was lost; the request cannot continue."""
+
+    code = "worker_failed"
+
+
+def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}

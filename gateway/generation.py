@@ -1,0 +1,153 @@
+"""One generation request's life in the gateway: admission, submit, stream outputs, cancel.
+
+Runs in the gateway process, on its asyncio loop. Owns `ActiveJob` (a request that holds a slot on
+a replica and an open stream) and the per-request timers: the deadline (cancels the engine job
+and tells the client) and the SSE keep-alive ticker. Every way out of a request goes through
+`ActiveJob.close()`, which cancels the engine job unless it finished — the abort table's contract.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from gateway.errors import APIError, InvalidRequest, RequestTimeout, ServiceUnavailable, WorkerFailed
+from gateway.router import ModelRoute
+from gateway.supervisor import WorkerHandle
+from gateway.worker_link import KEEPALIVE, RequestStream, StreamEnd, WorkerLink
+from model_worker import protocol as wire
+
+logger = logging.getLogger(__name__)
+
+_REJECTION_STATUS = {"service_unavailable": ServiceUnavailable}
+_END_ERRORS: dict[int, type[APIError]] = {408: RequestTimeout, 503: WorkerFailed}
+
+
+class ActiveJob:
+    def __init__(
+        self, link: WorkerLink, route: ModelRoute, replica: WorkerHandle, stream: RequestStream
+    ) -> None:
+        self.link = link
+        self.route = route
+        self.replica = replica
+        self.stream = stream
+        self.rid = stream.rid
+        self.prompt_tokens = 0
+        self.done = False
+        self._closed = False
+        self._deadline_timer: asyncio.TimerHandle | None = None
+
+    def arm_deadline(self, deadline: float) -> None:
+        loop = asyncio.get_running_loop()
+        delay = deadline - time.monotonic()
+        self._deadline_timer = loop.call_later(max(delay, 0.0), self._on_deadline)
+
+    def _on_deadline(self) -> None:
+        if self.done or self._closed:
+            return
+        logger.info("request %s: deadline passed; cancelling its job", self.rid)
+        self.link.send(self.replica.id, wire.Cancel(self.rid))
+        self.link.end_stream(self.stream, StreamEnd(408, "request_timeout", "the request timed out"))
+
+    async def outputs(self, keepalive: bool = False) -> AsyncIterator[wire.JobOutput | object]:
+        """Yield JobOutputs until the job finishes; raise APIError if it ends any other way."""
+        queue = self.stream.queue
+        while not self.done:
+            item = await queue.get()
+            if item is KEEPALIVE:
+                if keepalive:
+                    yield item
+                continue
+            if isinstance(item, StreamEnd):
+                self.done = True
+                raise _END_ERRORS.get(item.status, ServiceUnavailable)(item.message, code=item.code)
+            if item.finish_reason == "abort":
+                self.done = True
+                reason = (item.usage or {}).get("error", "the job was aborted")
+                raise ServiceUnavailable(str(reason), code="aborted")
+            if item.finish_reason is not None:
+                self.done = True
+            yield item
+
+    async def close(self) -> None:
+        """Idempotent: cancel the engine job unless it finished, free the slot and the stream."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._deadline_timer is not None:
+            self._deadline_timer.cancel()
+        if not self.done:
+            self.link.send(self.replica.id, wire.Cancel(self.rid))
+        self.link.close_stream(self.rid)
+        self.route.release(self.replica)
+
+
+class GenerationService:
+    def __init__(self, link: WorkerLink, keepalive_s: float) -> None:
+        self.link = link
+        self.keepalive_s = keepalive_s
+        self.draining = False
+        self.in_flight = 0
+        self._ticker: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._ticker = asyncio.create_task(self._keepalive_forever(), name="sse-keepalive")
+
+    async def stop(self) -> None:
+        if self._ticker is not None:
+            self._ticker.cancel()
+            await asyncio.gather(self._ticker, return_exceptions=True)
+
+    async def submit(
+        self,
+        route: ModelRoute,
+        params: wire.SamplingParams,
+        deadline: float,
+        *,
+        prompt: str | None = None,
+        prompt_token_ids: list[int] | None = None,
+        messages: list[dict[str, Any]] | None = None,
+    ) -> ActiveJob:
+        if self.draining:
+            raise ServiceUnavailable("the server is shutting down", code="shutting_down")
+        size = (
+            len(prompt or "") // 4
+            + len(prompt_token_ids or [])
+            + sum(len(m["content"]) for m in messages or []) // 4
+        )
+        replica = await route.acquire(deadline, size)
+        stream = self.link.open_stream(uuid.uuid4().hex, replica.id)
+        job = ActiveJob(self.link, route, replica, stream)
+        try:
+            generate = wire.Generate(job.rid, prompt, prompt_token_ids, messages, params.to_wire())
+            if not self.link.send(replica.id, generate):
+                raise WorkerFailed(f"the worker for model '{route.config.name}' is unreachable")
+            try:
+                reply = await asyncio.wait_for(stream.accepted, max(deadline - time.monotonic(), 0.001))
+            except asyncio.TimeoutError:
+                raise RequestTimeout("the request timed out before the model accepted it") from None
+            if isinstance(reply, wire.Rejected):
+                job.done = True
+                error_class = _REJECTION_STATUS.get(reply.code, InvalidRequest)
+                raise error_class(reply.message, code=reply.code, param=reply.param)
+            if isinstance(reply, StreamEnd):
+                job.done = True
+                raise _END_ERRORS.get(reply.status, ServiceUnavailable)(reply.message, code=reply.code)
+            job.prompt_tokens = reply.prompt_tokens
+            job.arm_deadline(deadline)
+            return job
+        except BaseException:
+            await job.close()
+            raise
+
+    async def _keepalive_forever(self) -> None:
+        while True:
+            await asyncio.sleep(min(self.keepalive_s / 2, 1.0))
+            now = time.monotonic()
+            for stream in self.link.open_streams():
+                if not stream.finished and now - stream.last_activity >= self.keepalive_s:
+                    stream.feed(KEEPALIVE)

@@ -1,0 +1,132 @@
+"""Model name -> replica routing and admission control.
+
+Runs in the gateway process, on its asyncio loop. Owns, per model, the count of requests waiting
+for a slot and the rule that picks a replica: the ready one with the least outstanding work.
+A request takes a slot (one of `max_concurrent_jobs` per replica) before it is sent to a worker;
+beyond that it waits in a bounded queue; beyond that it is refused at once with 429/503.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+
+from gateway.config import ModelConfig, Registry
+from gateway.errors import ModelNotFound, QueueFull, RequestTimeout, ServiceUnavailable
+from gateway.supervisor import WorkerHandle
+
+
+class ModelRoute:
+    def __init__(self, config: ModelConfig, replicas: list[WorkerHandle]) -> None:
+        self.config = config
+        self.replicas = replicas
+        self.waiting = 0
+        self.waiting_prompt_tokens = 0
+        self._changed = asyncio.Condition()
+
+    @property
+    def state(self) -> str:
+        states = {r.state for r in self.replicas}
+        for state in ("ready", "warming", "loading", "starting", "restarting", "draining", "failed"):
+            if state in states:
+                return state
+        return "stopped"
+
+    def _free_replica(self) -> WorkerHandle | None:
+        limit = self.config.limits.max_concurrent_jobs
+        candidates = [r for r in self.replicas if r.ready and r.in_flight < limit]
+        if not candidates:
+            return None
+        return min(candidates, key=lambda r: r.in_flight + int(r.stats.get("queued_jobs", 0)))
+
+    def _unservable_reason(self) -> str | None:
+        if all(r.state in ("failed", "stopped") for r in self.replicas):
+            reasons = "; ".join(r.detail or r.last_error or r.state for r in self.replicas)
+            return f"model '{self.config.name}' is unavailable: {reasons}"
+        return None
+
+    async def acquire(self, deadline: float, prompt_size: int = 0) -> WorkerHandle:
+        """Take a slot on a replica, waiting in the bounded queue until `deadline` (monotonic)."""
+        replica = self._free_replica()
+        if replica is None:
+            reason = self._unservable_reason()
+            if reason:
+                raise ServiceUnavailable(reason)
+            limits = self.config.limits
+            if (
+                self.waiting >= limits.max_queued_requests
+                or self.waiting_prompt_tokens + prompt_size > limits.max_queued_prompt_tokens
+            ):
+                error_class = QueueFull if limits.full_queue_status == 429 else ServiceUnavailable
+                raise error_class(
+                    f"model '{self.config.name}' is at capacity ({self.waiting} queued); retry later",
+                    headers={"Retry-After": "1"},
+                )
+            replica = await self._wait_for_replica(deadline, prompt_size)
+        replica.in_flight += 1
+        return replica
+
+    async def _wait_for_replica(self, deadline: float, prompt_size: int) -> WorkerHandle:
+        self.waiting += 1
+        self.waiting_prompt_tokens += prompt_size
+        try:
+            async with self._changed:
+                while True:
+                    replica = self._free_replica()
+                    if replica is not None:
+                        return replica
+                    reason = self._unservable_reason()
+                    if reason:
+                        raise ServiceUnavailable(reason)
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        raise RequestTimeout("the request timed out while waiting for a free slot")
+                    try:
+                        await asyncio.wait_for(self._changed.wait(), remaining)
+                    except asyncio.TimeoutError:
+                        pass
+        finally:
+            self.waiting -= 1
+            self.waiting_prompt_tokens -= prompt_size
+
+    def release(self, replica: WorkerHandle) -> None:
+        replica.in_flight = max(replica.in_flight - 1, 0)
+        self.notify()
+
+    def notify(self) -> None:
+        asyncio.get_running_loop().create_task(self._notify_all())
+
+    async def _notify_all(self) -> None:
+        async with self._changed:
+            self._changed.notify_all()
+
+
+class Router:
+    def __init__(self, registry: Registry, workers: list[WorkerHandle]) -> None:
+        self.routes: dict[str, ModelRoute] = {}
+        self._by_name: dict[str, ModelRoute] = {}
+        for model in registry.models:
+            route = ModelRoute(model, [w for w in workers if w.model.name == model.name])
+            self.routes[model.name] = route
+            for name in (model.name, *model.aliases):
+                self._by_name[name] = route
+
+    def route(self, model_name: str) -> ModelRoute:
+        route = self._by_name.get(model_name)
+        if route is None:
+            raise ModelNotFound(model_name)
+        return route
+
+    def on_worker_state(self, worker: WorkerHandle) -> None:
+        route = self.routes.get(worker.model.name)
+        if route is not None:
+            try:
+                route.notify()
+            except RuntimeError:  # no running loop (shutdown); nobody is waiting then
+                pass
+
+    def deadline_for(self, route: ModelRoute, requested_timeout: float | None) -> float:
+        timeout = requested_timeout or route.config.limits.request_timeout_s
+        timeout = min(timeout, route.config.limits.request_timeout_s)
+        return time.monotonic() + (timeout if math.isfinite(timeout) else 1e9)

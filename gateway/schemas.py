@@ -1,0 +1,181 @@
+"""HTTP request schemas of the OpenAI API, and their normalization into wire SamplingParams.
+
+Runs in the gateway process. Owns the API edge: every "string or list" shape the OpenAI API
+allows is normalized here, so the rest of the code sees one shape per field. Unknown fields are
+accepted and ignored, as OpenAI clients send vendor extensions freely.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from gateway.config import ModelConfig
+from gateway.errors import InvalidRequest
+from model_worker.protocol import SamplingParams
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_LENGTH = 256
+MAX_MESSAGES = 4096
+MAX_TOP_LOGPROBS = 20
+MAX_N = 8
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str = Field(..., min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    typical_p: float | None = Field(None, gt=0.0, le=1.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    seed: int | None = Field(None, ge=0, lt=2**63)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0)
+    timeout: float | None = Field(None, gt=0, description="Per-request deadline in seconds (extension).")
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_caps(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        stops = [stop] if isinstance(stop, str) else stop or []
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings")
+        if any(len(s) > MAX_STOP_LENGTH or not s for s in stops):
+            raise ValueError(f"stop strings must be 1 to {MAX_STOP_LENGTH} characters")
+        return stop
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_range(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        for key, value in (bias or {}).items():
+            if not key.lstrip("-").isdigit() or int(key) < 0:
+                raise ValueError("logit_bias keys must be token ids")
+            if not -100.0 <= value <= 100.0:
+                raise ValueError("logit_bias values must be within [-100, 100]")
+        return bias
+
+    def sampling_params(self, model: ModelConfig, logprobs: int | None) -> SamplingParams:
+        defaults = model.defaults
+        max_tokens = self.requested_max_tokens() or defaults.max_tokens
+        if self.min_tokens > max_tokens:
+            raise InvalidRequest("min_tokens must not exceed max_tokens", param="min_tokens")
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=defaults.temperature if self.temperature is None else self.temperature,
+            top_p=defaults.top_p if self.top_p is None else self.top_p,
+            top_k=defaults.top_k if self.top_k is None else max(self.top_k, 0),
+            min_p=defaults.min_p if self.min_p is None else self.min_p,
+            typical_p=defaults.typical_p if self.typical_p is None else self.typical_p,
+            repetition_penalty=(
+                defaults.repetition_penalty if self.repetition_penalty is None else self.repetition_penalty
+            ),
+            frequency_penalty=(
+                defaults.frequency_penalty if self.frequency_penalty is None else self.frequency_penalty
+            ),
+            presence_penalty=defaults.presence_penalty
+            if self.presence_penalty is None
+            else self.presence_penalty,
+            seed=self.seed,
+            stop=stop,
+            stop_token_ids=list(self.stop_token_ids or []),
+            ignore_eos=self.ignore_eos,
+            min_tokens=self.min_tokens,
+            logprobs=logprobs,
+            logit_bias={int(k): float(v) for k, v in (self.logit_bias or {}).items()},
+        )
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def include_usage_in_stream(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    include_usage: bool = False
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+    def to_wire(self) -> dict[str, Any]:
+        """Templates expect `content` as one string; text parts are joined, others refused."""
+        if isinstance(self.content, list):
+            texts = []
+            for part in self.content:
+                if part.type != "text" or part.text is None:
+                    raise InvalidRequest(
+                        f"content part type {part.type!r} is not supported", param="messages"
+                    )
+                texts.append(part.text)
+            content = "".join(texts)
+        else:
+            content = self.content or ""
+        message: dict[str, Any] = {"role": self.role, "content": content}
+        if self.name:
+            message["name"] = self.name
+        return message
+
+
+class ChatCompletionRequest(_Request):
+    messages: list[ChatMessage] = Field(..., min_length=1, max_length=MAX_MESSAGES)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    response_format: dict[str, Any] | None = None
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    def logprobs_count(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise InvalidRequest("top_logprobs requires logprobs to be true", param="top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class CompletionRequest(_Request):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for legacy completions
+    logprobs: int | None = Field(None, ge=0, le=5)
+    echo: bool = False
+    suffix: str | None = None
+
+    def prompts(self) -> list[str | list[int]]:
+        """One entry per prompt: text, or token ids."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return [prompt]
+        if not prompt:
+            raise InvalidRequest("prompt must not be empty", param="prompt")
+        if all(isinstance(p, int) for p in prompt):
+            return [list(prompt)]  # type: ignore[arg-type]
+        return list(prompt)  # type: ignore[arg-type]
+
+
+_Request.model_rebuild()
+ChatCompletionRequest.model_rebuild()
+CompletionRequest.model_rebuild()

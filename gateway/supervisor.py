@@ -1,0 +1,270 @@
+"""Local worker lifecycle: spawn, watch, restart with backoff, stop.
+
+Runs in the gateway process, on its asyncio loop. Owns one `WorkerHandle` per model replica and
+the child processes behind them. Death is seen three ways: the process exit (asyncio's child
+watcher), a missing frame for `heartbeat_timeout_s` (lost or wedged), and a missed start deadline.
+When a worker goes, every request it held is ended at once with a clear error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from gateway.config import ModelConfig, Registry
+from gateway.worker_link import StreamEnd, WorkerLink
+from model_worker import protocol as wire
+
+logger = logging.getLogger(__name__)
+
+CRASH_LOOP_LIMIT = 5  # consecutive failed starts before a worker is marked failed
+STABLE_AFTER_S = 60.0  # a worker ready this long resets its crash count and backoff
+MAX_BACKOFF_S = 30.0
+
+
+@dataclass(eq=False)
+class WorkerHandle:
+    id: str
+    model: ModelConfig
+    replica: int = 0
+    state: str = "starting"
+    detail: str = ""
+    progress: float | None = None
+    pid: int | None = None
+    restarts: int = 0
+    consecutive_failures: int = 0
+    last_error: str | None = None
+    info: dict[str, Any] = field(default_factory=dict)
+    stats: dict[str, Any] = field(default_factory=dict)
+    spawned_at: float = 0.0
+    ready_at: float | None = None
+    in_flight: int = 0
+    process: asyncio.subprocess.Process | None = None
+
+    @property
+    def ready(self) -> bool:
+        return self.state == "ready"
+
+    def describe(self) -> dict[str, Any]:
+        now = time.monotonic()
+        return {
+            "id": self.id,
+            "model": self.model.name,
+            "replica": self.replica,
+            "state": self.state,
+            "detail": self.detail,
+            "progress": self.progress,
+            "pid": self.pid,
+            "gpus": list(self.model.gpus),
+            "active_jobs": int(self.stats.get("active_jobs", 0)),
+            "queued_jobs": int(self.stats.get("queued_jobs", 0)),
+            "in_flight": self.in_flight,
+            "restarts": self.restarts,
+            "last_error": self.last_error,
+            "uptime_s": round(now - self.ready_at, 1) if self.ready_at and self.ready else None,
+            "info": self.info,
+            "stats": self.stats,
+        }
+
+
+StateListener = Callable[[WorkerHandle], None]
+
+
+class Supervisor:
+    def __init__(self, registry: Registry, link: WorkerLink, on_state: StateListener) -> None:
+        self.registry = registry
+        self.link = link
+        self._on_state = on_state
+        self.workers: dict[str, WorkerHandle] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+        self._stopping = False
+        for model in registry.models:
+            handle = WorkerHandle(id=f"{model.name}#0", model=model)
+            self.workers[handle.id] = handle
+
+    # ---- public ------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        for handle in self.workers.values():
+            self._tasks.append(asyncio.create_task(self._keep_running(handle), name=f"supervise:{handle.id}"))
+
+    async def stop(self, grace_s: float) -> None:
+        self._stopping = True
+        for handle in self.workers.values():
+            if handle.process and handle.process.returncode is None:
+                self._set_state(handle, "draining", "shutting down")
+                self.link.send(handle.id, wire.Shutdown(grace_s))
+        deadline = time.monotonic() + grace_s + 5.0
+        for handle in self.workers.values():
+            await self._reap(handle, max(deadline - time.monotonic(), 0.1))
+            self._set_state(handle, "stopped", "")
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    def on_message(self, worker_id: str, message: wire.Message) -> None:
+        handle = self.workers.get(worker_id)
+        if handle is None:
+            logger.warning("frame from unknown worker %s dropped", worker_id)
+            return
+        if isinstance(message, wire.Heartbeat):
+            handle.stats = message.stats
+        elif isinstance(message, wire.Status):
+            handle.detail, handle.progress = message.detail, message.progress
+            if message.state in ("loading", "warming"):
+                self._set_state(handle, message.state, message.detail)
+        elif isinstance(message, wire.Ready):
+            handle.info = message.info
+            handle.ready_at = time.monotonic()
+            handle.detail, handle.progress = "", None
+            self._set_state(handle, "ready", "")
+            logger.info("worker %s ready (model %s, pid %s)", handle.id, handle.model.name, handle.pid)
+        elif isinstance(message, wire.Hello):
+            if message.version != wire.PROTOCOL_VERSION:
+                reason = f"protocol version {message.version} != gateway's {wire.PROTOCOL_VERSION}"
+                logger.error("worker %s refused: %s", worker_id, reason)
+                handle.last_error = reason
+                self._kill(handle)
+        elif isinstance(message, wire.Fatal):
+            handle.last_error = message.message
+            logger.error("worker %s reported a fatal error: %s", worker_id, message.message)
+
+    # ---- per-worker task ---------------------------------------------------------------------
+
+    async def _keep_running(self, handle: WorkerHandle) -> None:
+        backoff = 1.0
+        while not self._stopping:
+            await self._spawn(handle)
+            reason = await self._watch(handle)
+            self._fail_requests(handle, reason)
+            if self._stopping:
+                return
+            was_stable = handle.ready_at is not None and time.monotonic() - handle.ready_at >= STABLE_AFTER_S
+            if was_stable:
+                handle.consecutive_failures, backoff = 0, 1.0
+            handle.consecutive_failures += 1
+            handle.last_error = handle.last_error or reason
+            logger.error("worker %s stopped: %s", handle.id, reason)
+            if handle.consecutive_failures >= CRASH_LOOP_LIMIT:
+                self._set_state(
+                    handle, "failed", f"{handle.consecutive_failures} failed starts; last: {reason}"
+                )
+                return
+            self._set_state(handle, "restarting", f"restart in {backoff:.0f}s after: {reason}")
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, MAX_BACKOFF_S)
+            handle.restarts += 1
+
+    def _spec(self, model: ModelConfig) -> dict[str, Any]:
+        settings = {
+            "path": str(model.path),
+            "max_seq_len": model.max_seq_len,
+            "max_batch_size": model.max_batch_size,
+            "max_chunk_size": model.max_chunk_size,
+            "cache_size": model.cache_size,
+            "cache_mode": model.cache_mode,
+            "gpu_split": model.gpu_split,
+            "reserve_vram_gb": model.reserve_vram_gb,
+            "dtype": model.dtype,
+            "threads": model.threads,
+            "draft_path": str(model.draft_path) if model.draft_path else None,
+        }
+        return {
+            "name": model.name,
+            "engine": model.engine,
+            "settings": settings,
+            "chat_template": model.chat_template,
+            "heartbeat_interval_s": self.registry.server.heartbeat_interval_s,
+        }
+
+    async def _spawn(self, handle: WorkerHandle) -> None:
+        model = handle.model
+        env = dict(os.environ)
+        # CPU workers see no GPU at all; GPU workers see only theirs, renumbered from 0.
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in model.gpus)
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        handle.stats, handle.info, handle.ready_at = {}, {}, None
+        handle.last_error = None
+        self._set_state(handle, "starting", "spawning process")
+        handle.process = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "model_worker",
+            "--connect",
+            self.link.endpoint,
+            "--worker-id",
+            handle.id,
+            "--spec",
+            json.dumps(self._spec(model)),
+            "--parent-pid",
+            str(os.getpid()),
+            env=env,
+            stdin=asyncio.subprocess.DEVNULL,
+        )
+        handle.pid = handle.process.pid
+        handle.spawned_at = time.monotonic()
+        self.link.last_seen[handle.id] = handle.spawned_at
+        logger.info("spawned worker %s for model %s (pid %s)", handle.id, model.name, handle.pid)
+
+    async def _watch(self, handle: WorkerHandle) -> str:
+        """Return when the worker is gone, with the reason; kill it if it is lost or too slow to start."""
+        assert handle.process is not None
+        server = self.registry.server
+        exited = asyncio.create_task(handle.process.wait())
+        while True:
+            done, _ = await asyncio.wait({exited}, timeout=min(server.heartbeat_interval_s, 1.0))
+            if done:
+                code = exited.result()
+                return f"exited with code {code}" if code >= 0 else f"killed by signal {-code}"
+            now = time.monotonic()
+            if not handle.ready and handle.state != "draining":
+                if now - handle.spawned_at > server.worker_start_timeout_s:
+                    handle.last_error = (
+                        f"not ready within worker_start_timeout_s={server.worker_start_timeout_s:g}s; "
+                        "raise it in the registry's server section if loading is legitimately slow"
+                    )
+                    self._kill(handle)
+            elif now - self.link.last_seen.get(handle.id, now) > server.heartbeat_timeout_s:
+                handle.last_error = f"no heartbeat for {server.heartbeat_timeout_s:g}s (hung or lost)"
+                self._kill(handle)
+
+    def _fail_requests(self, handle: WorkerHandle, reason: str) -> None:
+        was_ready = handle.ready
+        handle.state = "stopped" if self._stopping else "restarting"
+        if was_ready:
+            self._on_state(handle)
+        for stream in self.link.streams_of(handle.id):
+            if not stream.finished:
+                message = f"the worker for model '{handle.model.name}' {reason}"
+                self.link.end_stream(stream, StreamEnd(503, "worker_failed", message))
+
+    # ---- helpers -----------------------------------------------------------------------------
+
+    def _set_state(self, handle: WorkerHandle, state: str, detail: str) -> None:
+        if handle.state != state:
+            logger.info("worker %s: %s -> %s %s", handle.id, handle.state, state, detail)
+        handle.state, handle.detail = state, detail
+        self._on_state(handle)
+
+    def _kill(self, handle: WorkerHandle) -> None:
+        if handle.process and handle.process.returncode is None:
+            handle.process.send_signal(signal.SIGKILL)
+
+    async def _reap(self, handle: WorkerHandle, timeout: float) -> None:
+        process = handle.process
+        if process is None or process.returncode is not None:
+            return
+        try:
+            await asyncio.wait_for(process.wait(), timeout)
+        except asyncio.TimeoutError:
+            logger.warning("worker %s did not exit in time; killing it", handle.id)
+            self._kill(handle)
+            await process.wait()

@@ -1,0 +1,80 @@
+"""Chat template rendering with Hugging Face's semantics, in a sandboxed Jinja2 environment.
+
+Runs in the worker process, which owns the tokenizer files. Reads `chat_template`, `bos_token`
+and `eos_token` from the model's tokenizer_config.json unless the registry overrides the
+template (inline text or a file path).
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+
+class TemplateError(ValueError):
+    """The messages cannot be rendered by this model's template (a client error)."""
+
+
+def _raise_exception(message: str) -> None:
+    raise TemplateError(message)
+
+
+def _token_text(value: Any) -> str:
+    # tokenizer_config.json stores special tokens either as strings or as AddedToken dicts.
+    if isinstance(value, dict):
+        return str(value.get("content", ""))
+    return str(value or "")
+
+
+class ChatTemplate:
+    def __init__(self, source: str, bos_token: str = "", eos_token: str = "") -> None:
+        # Same environment options as transformers' apply_chat_template, so templates written
+        # for Hugging Face render identically here.
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+        )
+        env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(
+            x, indent=indent, ensure_ascii=ensure_ascii
+        )
+        env.globals["raise_exception"] = _raise_exception
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        self._template = env.from_string(source)
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        try:
+            return self._template.render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token,
+                eos_token=self.eos_token,
+            )
+        except TemplateError:
+            raise
+        except jinja2.TemplateError as exc:
+            raise TemplateError(f"chat template failed: {exc}") from None
+
+    @classmethod
+    def for_model(cls, model_dir: str | Path, override: str | None = None) -> ChatTemplate | None:
+        """The registry override (a file path or inline Jinja) wins over tokenizer_config.json."""
+        config_path = Path(model_dir) / "tokenizer_config.json"
+        config: dict[str, Any] = {}
+        if config_path.is_file():
+            config = json.loads(config_path.read_text())
+        source = config.get("chat_template")
+        if isinstance(source, list):  # newer HF files hold named templates
+            named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
+            source = named.get("default")
+        if override:
+            override_path = Path(override)
+            is_file = "{" not in override and override_path.is_file()
+            source = override_path.read_text() if is_file else override
+        if not source:
+            return None
+        return cls(source, _token_text(config.get("bos_token")), _token_text(config.get("eos_token")))

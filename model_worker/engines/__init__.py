@@ -1,0 +1,1 @@
+"""Engines a worker can run, one module each, behind the interface in `base.py` (worker process)."""
