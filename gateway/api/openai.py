@@ -20,7 +20,7 @@ from gateway.api.openai_format import SSE_DONE, SSE_KEEPALIVE, ChoiceState, Resp
 from gateway.errors import APIError, InvalidRequest
 from gateway.generation import ActiveJob
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
-from gateway.state import current_gateway
+from gateway.state import Gateway, current_gateway
 from model_worker.protocol import JobOutput
 
 logger = logging.getLogger(__name__)
@@ -106,7 +106,7 @@ async def _serve(
         await asyncio.gather(*(job.close() for job in jobs))
         raise
     if req.stream:
-        body = _stream(jobs, formatter, req.include_usage_in_stream(), echoes)
+        body = _stream(gateway, jobs, formatter, req.include_usage_in_stream(), echoes)
         response = Response(body, content_type="text/event-stream; charset=utf-8")
         response.headers["Cache-Control"] = "no-cache"
         response.headers["X-Accel-Buffering"] = "no"
@@ -123,9 +123,8 @@ async def _serve(
 
 
 async def _stream(
-    jobs: list[ActiveJob], formatter: ResponseFormatter, with_usage: bool, echoes: list[str]
+    gateway: Gateway, jobs: list[ActiveJob], formatter: ResponseFormatter, with_usage: bool, echoes: list[str]
 ) -> AsyncIterator[bytes]:
-    gateway = current_gateway()
     states = [ChoiceState(i, job.prompt_tokens) for i, job in enumerate(jobs)]
     echo_pending = list(echoes)
     try:

@@ -1,0 +1,134 @@
+"""Registry loading: valid files load; each kind of mistake names the file, the model and the field."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gateway.config import ConfigError, load_registry
+from tests.harness import REPO_ROOT
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "models.yaml"
+    path.write_text(text)
+    return path
+
+
+GOOD = """
+server: {port: 9000}
+models:
+  - name: alpha
+    engine: transformers
+    path: models/alpha
+    max_seq_len: 1024
+    aliases: [a]
+    defaults: {temperature: 0.2}
+  - name: beta
+    path: /abs/beta
+    gpus: [0, 1]
+    gpu_split: [20, 24]
+    cache_mode: Q4
+"""
+
+
+def test_valid_registry_resolves_relative_paths(tmp_path: Path) -> None:
+    registry = load_registry(write(tmp_path, GOOD))
+    alpha = registry.model("a")
+    assert alpha is not None and alpha.name == "alpha"
+    assert alpha.path == (tmp_path / "models/alpha").resolve()
+    assert alpha.defaults.temperature == 0.2
+    beta = registry.model("beta")
+    assert beta is not None and beta.engine == "exllamav2" and beta.gpus == [0, 1]
+    assert registry.server.port == 9000
+
+
+def test_shipped_registry_is_valid() -> None:
+    registry = load_registry(REPO_ROOT / "config" / "models.yaml")
+    assert [m.name for m in registry.models] == ["demo-small", "demo-medium"]
+    assert all(m.engine == "transformers" and m.gpus == [] for m in registry.models)
+
+
+@pytest.mark.parametrize(
+    "path", sorted((REPO_ROOT / "config" / "examples").glob("*.yaml")), ids=lambda p: p.name
+)
+def test_example_registries_are_valid(path: Path) -> None:
+    assert load_registry(path).models
+
+
+@pytest.mark.parametrize(
+    ("snippet", "expected"),
+    [
+        (
+            "  - {name: m1, engine: transformers, path: x, max_seq_len: -5}",
+            ["model 'm1'", "field 'max_seq_len'"],
+        ),
+        (
+            "  - {name: m1, engine: transformers, path: x, colour: blue}",
+            ["model 'm1'", "field 'colour'", "Extra"],
+        ),
+        ("  - {name: m1, engine: vllm, path: x}", ["model 'm1'", "field 'engine'"]),
+        ("  - {name: m1, path: x}", ["model 'm1'", "needs at least one GPU"]),
+        (
+            "  - {name: m1, engine: transformers, path: x, defaults: {temperature: 9}}",
+            ["field 'defaults.temperature'"],
+        ),
+        ("  - {engine: transformers, path: x}", ["model #1", "field 'name'"]),
+        ("  - {name: m1, path: x, gpus: [0], gpu_split: [1, 2]}", ["model 'm1'", "gpu_split"]),
+        (
+            "  - {name: m1, engine: transformers, path: x}\n"
+            "  - {name: m2, engine: transformers, path: y, aliases: [m1]}",
+            ["'m1'", "already used"],
+        ),
+    ],
+)
+def test_errors_name_file_model_and_field(tmp_path: Path, snippet: str, expected: list[str]) -> None:
+    path = write(tmp_path, "models:\n" + snippet + "\n")
+    with pytest.raises(ConfigError) as info:
+        load_registry(path)
+    message = str(info.value)
+    assert str(path) in message
+    for fragment in expected:
+        assert fragment in message
+
+
+def test_yaml_syntax_error_names_line(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"not valid YAML at line \d+"):
+        load_registry(write(tmp_path, "models:\n  - name: [unclosed\n"))
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_registry(tmp_path / "nope.yaml")
+
+
+def test_registry_is_frozen(tmp_path: Path) -> None:
+    registry = load_registry(write(tmp_path, GOOD))
+    with pytest.raises(Exception, match="frozen"):
+        registry.models[0].max_seq_len = 5  # type: ignore[misc]
+
+
+def test_check_config_cli_reports_cleanly(tmp_path: Path) -> None:
+    bad = write(tmp_path, "models:\n  - {name: broken, engine: transformers, path: x, max_batch_size: 0}\n")
+    result = subprocess.run(
+        [sys.executable, "-m", "gateway", "check-config", str(bad)],
+        capture_output=True,
+        text=True,
+        cwd=REPO_ROOT,
+    )
+    assert result.returncode == 2
+    assert "model 'broken'" in result.stderr and "field 'max_batch_size'" in result.stderr
+    assert str(bad) in result.stderr
+    assert "Traceback" not in result.stderr + result.stdout
+
+    good = subprocess.run(
+        [sys.executable, "-m", "gateway", "check-config", str(REPO_ROOT / "config/models.yaml")],
+        capture_output=True,
+        text=True,
+        cwd=REPO_ROOT,
+    )
+    assert good.returncode == 0, good.stderr
+    assert "ok: demo-small" in good.stdout
