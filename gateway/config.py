@@ -7,11 +7,15 @@ the model and the field.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+
+ENGINES = ("exllamav2", "transformers")
 
 
 class _Strict(BaseModel):
@@ -38,11 +42,17 @@ class ModelLimits(_Strict):
     max_queued_prompt_tokens: int = Field(1_000_000, ge=0, description="Prompt tokens waiting, summed.")
     request_timeout_s: float = Field(600.0, gt=0, description="Deadline for one request, queueing included.")
     full_queue_status: Literal[429, 503] = Field(429, description="HTTP status when the queue is full.")
+    wedge_timeout_s: float = Field(
+        120.0,
+        gt=0,
+        description="Jobs in flight but no generator step for this long: the worker is killed and restarted. "
+        "Must exceed the longest legitimate step (one prefill chunk of max_chunk_size tokens).",
+    )
 
 
 class ModelConfig(_Strict):
     name: str = Field(..., min_length=1, pattern=r"^[A-Za-z0-9._:/-]+$", description="What clients send.")
-    engine: Literal["exllamav2", "transformers"] = "exllamav2"
+    engine: str = Field("exllamav2", description="exllamav2 (GPU) or transformers (CPU or GPU).")
     path: Path = Field(..., description="Model folder (HF layout); relative to the registry file.")
     gpus: list[int] = Field(default_factory=list, description="GPU indices; empty means CPU.")
     max_seq_len: int = Field(4096, ge=16)
@@ -60,6 +70,16 @@ class ModelConfig(_Strict):
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
     threads: int | None = Field(None, ge=1, description="CPU threads for torch in this worker.")
     draft_path: Path | None = Field(None, description="Draft model folder for speculative decoding.")
+
+    @field_validator("engine")
+    @classmethod
+    def _known_engine(cls, engine: str) -> str:
+        # Fault-injection engines exist only in the test suite, which opts in through the environment.
+        if engine.startswith("test:") and os.environ.get("GATEWAY_ALLOW_TEST_ENGINES") == "1":
+            return engine
+        if engine not in ENGINES:
+            raise ValueError(f"unknown engine {engine!r}; expected one of {', '.join(ENGINES)}")
+        return engine
 
     @field_validator("gpus")
     @classmethod
@@ -87,6 +107,14 @@ class ServerConfig(_Strict):
     max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024)
     shutdown_grace_s: float = Field(10.0, ge=0)
     sse_keepalive_s: float = Field(15.0, gt=0, description="SSE comment ping while a stream waits.")
+    restart_backoff_s: float = Field(1.0, gt=0, description="First restart delay; doubles per failed start.")
+    restart_backoff_max_s: float = Field(30.0, gt=0)
+    restart_limit: int = Field(
+        5, ge=1, description="Failed starts in a row before a worker is marked failed."
+    )
+    write_stall_timeout_s: float = Field(
+        30.0, gt=0, description="A streaming client that reads nothing for this long is dropped."
+    )
 
 
 class Registry(_Strict):

@@ -58,6 +58,7 @@ class ActiveJob:
         queue = self.stream.queue
         while not self.done:
             item = await queue.get()
+            self.stream.last_consumed = time.monotonic()
             if item is KEEPALIVE:
                 if keepalive:
                     yield item
@@ -87,12 +88,14 @@ class ActiveJob:
 
 
 class GenerationService:
-    def __init__(self, link: WorkerLink, keepalive_s: float) -> None:
+    def __init__(self, link: WorkerLink, keepalive_s: float, write_stall_timeout_s: float) -> None:
         self.link = link
         self.keepalive_s = keepalive_s
+        self.write_stall_timeout_s = write_stall_timeout_s
         self.draining = False
         self.in_flight = 0
         self._ticker: asyncio.Task[None] | None = None
+        self._abandoned: set[asyncio.Task[None]] = set()
 
     def start(self) -> None:
         self._ticker = asyncio.create_task(self._keepalive_forever(), name="sse-keepalive")
@@ -122,6 +125,7 @@ class GenerationService:
         replica = await route.acquire(deadline, size)
         stream = self.link.open_stream(uuid.uuid4().hex, replica.id)
         job = ActiveJob(self.link, route, replica, stream)
+        stream.on_abandon = job.close
         try:
             generate = wire.Generate(job.rid, prompt, prompt_token_ids, messages, params.to_wire())
             if not self.link.send(replica.id, generate):
@@ -145,9 +149,20 @@ class GenerationService:
             raise
 
     async def _keepalive_forever(self) -> None:
+        """One ticker for all streams: keep-alive pings, and dropping clients that stopped reading."""
         while True:
-            await asyncio.sleep(min(self.keepalive_s / 2, 1.0))
+            await asyncio.sleep(min(self.keepalive_s / 2, self.write_stall_timeout_s / 4, 1.0))
             now = time.monotonic()
             for stream in self.link.open_streams():
-                if not stream.finished and now - stream.last_activity >= self.keepalive_s:
+                if stream.finished:
+                    continue
+                if stream.queue.qsize() and now - stream.last_consumed >= self.write_stall_timeout_s:
+                    logger.warning("request %s: client stopped reading; cancelling its job", stream.rid)
+                    self.link.send(stream.worker_id, wire.Cancel(stream.rid))
+                    self.link.end_stream(stream, StreamEnd(503, "slow_reader", "the client stopped reading"))
+                    if stream.on_abandon is not None:
+                        task = asyncio.create_task(stream.on_abandon())
+                        self._abandoned.add(task)
+                        task.add_done_callback(self._abandoned.discard)
+                elif now - stream.last_activity >= self.keepalive_s:
                     stream.feed(KEEPALIVE)

@@ -24,6 +24,7 @@ logger = logging.getLogger(__name__)
 
 async def _drain(gateway: Gateway, grace_s: float) -> None:
     gateway.service.draining = True
+    gateway.supervisor.mark_draining()
     deadline = time.monotonic() + grace_s
     while gateway.service.in_flight > 0 and time.monotonic() < deadline:
         await asyncio.sleep(0.05)

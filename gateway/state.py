@@ -44,7 +44,9 @@ class Gateway:
         supervisor_ref.append(supervisor)
         router = Router(registry, list(supervisor.workers.values()))
         router_ref.append(router)
-        service = GenerationService(link, registry.server.sse_keepalive_s)
+        service = GenerationService(
+            link, registry.server.sse_keepalive_s, registry.server.write_stall_timeout_s
+        )
         return cls(registry, runtime_dir, link, supervisor, router, service)
 
     def model_card(self, name: str) -> dict[str, Any]:

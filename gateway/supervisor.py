@@ -25,9 +25,7 @@ from model_worker import protocol as wire
 
 logger = logging.getLogger(__name__)
 
-CRASH_LOOP_LIMIT = 5  # consecutive failed starts before a worker is marked failed
 STABLE_AFTER_S = 60.0  # a worker ready this long resets its crash count and backoff
-MAX_BACKOFF_S = 30.0
 
 
 @dataclass(eq=False)
@@ -110,6 +108,12 @@ class Supervisor:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
+    def mark_draining(self) -> None:
+        """Shutdown has begun: nothing new is routed; in-flight jobs keep their worker."""
+        for handle in self.workers.values():
+            if handle.state in ("ready", "starting", "loading", "warming"):
+                self._set_state(handle, "draining", "shutting down")
+
     def on_message(self, worker_id: str, message: wire.Message) -> None:
         handle = self.workers.get(worker_id)
         if handle is None:
@@ -122,6 +126,8 @@ class Supervisor:
             if message.state in ("loading", "warming"):
                 self._set_state(handle, message.state, message.detail)
         elif isinstance(message, wire.Ready):
+            if self._stopping or handle.state == "draining":
+                return
             handle.info = message.info
             handle.ready_at = time.monotonic()
             handle.detail, handle.progress = "", None
@@ -140,27 +146,33 @@ class Supervisor:
     # ---- per-worker task ---------------------------------------------------------------------
 
     async def _keep_running(self, handle: WorkerHandle) -> None:
-        backoff = 1.0
+        server = self.registry.server
+        backoff = server.restart_backoff_s
         while not self._stopping:
             await self._spawn(handle)
-            reason = await self._watch(handle)
+            exit_reason = await self._watch(handle)
+            reason = f"{handle.last_error} ({exit_reason})" if handle.last_error else exit_reason
             self._fail_requests(handle, reason)
             if self._stopping:
                 return
-            was_stable = handle.ready_at is not None and time.monotonic() - handle.ready_at >= STABLE_AFTER_S
-            if was_stable:
-                handle.consecutive_failures, backoff = 0, 1.0
-            handle.consecutive_failures += 1
-            handle.last_error = handle.last_error or reason
+            # A crash loop is a worker that cannot get to ready; one that served and then died is
+            # restarted, with a backoff that resets once it has stayed up for a while.
+            if handle.ready_at is None:
+                handle.consecutive_failures += 1
+            else:
+                handle.consecutive_failures = 0
+                if time.monotonic() - handle.ready_at >= STABLE_AFTER_S:
+                    backoff = server.restart_backoff_s
+            handle.last_error = reason
             logger.error("worker %s stopped: %s", handle.id, reason)
-            if handle.consecutive_failures >= CRASH_LOOP_LIMIT:
+            if handle.consecutive_failures >= server.restart_limit:
                 self._set_state(
                     handle, "failed", f"{handle.consecutive_failures} failed starts; last: {reason}"
                 )
                 return
-            self._set_state(handle, "restarting", f"restart in {backoff:.0f}s after: {reason}")
+            self._set_state(handle, "restarting", f"restart in {backoff:.1f}s after: {reason}")
             await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, MAX_BACKOFF_S)
+            backoff = min(backoff * 2, server.restart_backoff_max_s)
             handle.restarts += 1
 
     def _spec(self, model: ModelConfig) -> dict[str, Any]:
@@ -218,6 +230,7 @@ class Supervisor:
         """Return when the worker is gone, with the reason; kill it if it is lost or too slow to start."""
         assert handle.process is not None
         server = self.registry.server
+        wedge_timeout_s = handle.model.limits.wedge_timeout_s
         exited = asyncio.create_task(handle.process.wait())
         while True:
             done, _ = await asyncio.wait({exited}, timeout=min(server.heartbeat_interval_s, 1.0))
@@ -235,6 +248,9 @@ class Supervisor:
             elif now - self.link.last_seen.get(handle.id, now) > server.heartbeat_timeout_s:
                 handle.last_error = f"no heartbeat for {server.heartbeat_timeout_s:g}s (hung or lost)"
                 self._kill(handle)
+            elif handle.in_flight and now - self.link.last_progress.get(handle.id, now) > wedge_timeout_s:
+                handle.last_error = f"jobs in flight but no generator step for {wedge_timeout_s:g}s (wedged)"
+                self._kill(handle)
 
     def _fail_requests(self, handle: WorkerHandle, reason: str) -> None:
         was_ready = handle.ready
@@ -243,7 +259,7 @@ class Supervisor:
             self._on_state(handle)
         for stream in self.link.streams_of(handle.id):
             if not stream.finished:
-                message = f"the worker for model '{handle.model.name}' {reason}"
+                message = f"the worker for model '{handle.model.name}' failed: {reason}"
                 self.link.end_stream(stream, StreamEnd(503, "worker_failed", message))
 
     # ---- helpers -----------------------------------------------------------------------------

@@ -47,6 +47,10 @@ class RequestStream:
     queue: asyncio.Queue[Any] = field(default_factory=asyncio.Queue)
     finished: bool = False
     last_activity: float = field(default_factory=time.monotonic)
+    # When the HTTP side last took an item: a stream whose items pile up unread is a stalled client.
+    last_consumed: float = field(default_factory=time.monotonic)
+    # Called when the gateway gives up on the client (stalled reader): frees the slot at once.
+    on_abandon: Callable[[], Any] | None = None
 
     def feed(self, item: Any) -> bool:
         if self.queue.qsize() >= MAX_PENDING_CHUNKS:
@@ -74,6 +78,8 @@ class WorkerLink:
         self._streams: dict[str, RequestStream] = {}
         # When each worker last sent anything: any frame proves it alive, not only heartbeats.
         self.last_seen: dict[str, float] = {}
+        # When each worker last made progress (a Step frame) or was handed a job: wedge detection.
+        self.last_progress: dict[str, float] = {}
         self._reader: asyncio.Task[None] | None = None
         self._dispatch: dict[type[wire.Message], Callable[[str, Any], None]] = {
             wire.Step: self._on_step,
@@ -98,6 +104,8 @@ class WorkerLink:
     # ---- sending -----------------------------------------------------------------------------
 
     def send(self, worker_id: str, message: wire.Message) -> bool:
+        if isinstance(message, wire.Generate):
+            self.last_progress[worker_id] = time.monotonic()
         try:
             self._sock.send_multipart([worker_id.encode(), wire.encode(message)], zmq.NOBLOCK)
             return True
@@ -163,6 +171,7 @@ class WorkerLink:
             stream.accepted.set_result(message)
 
     def _on_step(self, worker_id: str, message: wire.Step) -> None:
+        self.last_progress[worker_id] = time.monotonic()
         for output in message.outputs:
             stream = self._streams.get(output.rid)
             if stream is None or stream.finished:

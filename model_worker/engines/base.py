@@ -8,6 +8,7 @@ serve loop only sees `JobOutput` (from the wire protocol) and `RequestRejected`.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -91,7 +92,7 @@ def load_engine(name: str, settings: EngineSettings) -> Engine:
         from model_worker.engines.exllamav2_engine import ExLlamaV2Engine
 
         return ExLlamaV2Engine(settings)
-    if name.startswith("test:"):
+    if name.startswith("test:") and os.environ.get("GATEWAY_ALLOW_TEST_ENGINES") == "1":
         # Fault-injection engines live under tests/ and are importable only when tests put them
         # on the path; they are not part of the product.
         import importlib

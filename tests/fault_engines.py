@@ -1,0 +1,75 @@
+"""Fault-injection engines, for tests only: the real transformers engine plus faults on cue.
+
+Runs in a worker process started by a test (the registry names `test:tests.fault_engines.FaultyEngine`
+and the test sets GATEWAY_ALLOW_TEST_ENGINES=1). A fault is triggered by a marker in the prompt,
+so one worker serves healthy and faulty requests side by side:
+  <<crash>>     step() raises (an engine exception: fatal for the worker)
+  <<segfault>>  the process dies from SIGSEGV mid-generation
+  <<hang>>      step() blocks for an hour (no steps, no heartbeats)
+  <<stall>>     step() keeps returning nothing while jobs are active (wedged generator)
+  <<slow>>      each step sleeps FAULT_SLOW_STEP_S (default 0.05 s)
+Environment: FAULT_LOAD_DELAY_S delays load(); FAULT_CRASH_ON_LOAD=1 makes load() fail.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Any
+
+from model_worker.engines.base import ProgressCallback
+from model_worker.engines.transformers_engine import TransformersEngine
+from model_worker.protocol import JobOutput, SamplingParams
+
+MARKERS = ("crash", "segfault", "hang", "stall", "slow")
+FAULT_AFTER_STEPS = 3
+
+
+class FaultyEngine(TransformersEngine):
+    def __init__(self, settings: Any) -> None:
+        super().__init__(settings)
+        self._faults: dict[str, str] = {}
+        self._steps_since_fault: dict[str, int] = {}
+
+    def load(self, progress: ProgressCallback) -> None:
+        delay = float(os.environ.get("FAULT_LOAD_DELAY_S", "0"))
+        for i in range(int(delay * 10)):
+            progress("injected slow load", i / max(delay * 10, 1))
+            time.sleep(0.1)
+        if os.environ.get("FAULT_CRASH_ON_LOAD") == "1":
+            raise RuntimeError("injected load failure")
+        super().load(progress)
+
+    def submit(self, rid: str, prompt_ids: list[int], params: SamplingParams) -> int:
+        text = self.decode(prompt_ids)
+        for marker in MARKERS:
+            if f"<<{marker}>>" in text:
+                self._faults[rid] = marker
+                self._steps_since_fault[rid] = 0
+        return super().submit(rid, prompt_ids, params)
+
+    def cancel(self, rid: str) -> bool:
+        self._faults.pop(rid, None)
+        return super().cancel(rid)
+
+    def step(self) -> list[JobOutput]:
+        for rid, fault in list(self._faults.items()):
+            self._steps_since_fault[rid] += 1
+            if fault == "slow":
+                time.sleep(float(os.environ.get("FAULT_SLOW_STEP_S", "0.05")))
+            if self._steps_since_fault[rid] < FAULT_AFTER_STEPS:
+                continue
+            if fault == "crash":
+                raise RuntimeError("injected engine fault")
+            if fault == "segfault":
+                os.kill(os.getpid(), signal.SIGSEGV)
+            if fault == "hang":
+                time.sleep(3600)
+            if fault == "stall":
+                return []
+        outputs = super().step()
+        for output in outputs:
+            if output.finish_reason is not None:
+                self._faults.pop(output.rid, None)
+        return outputs
