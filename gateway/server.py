@@ -18,6 +18,8 @@ from hypercorn.config import Config as HypercornConfig
 from gateway.app import create_app
 from gateway.config import Registry
 from gateway.state import Gateway
+from gateway.worker_link import StreamEnd
+from model_worker import protocol as wire
 
 logger = logging.getLogger(__name__)
 
@@ -30,6 +32,16 @@ async def _drain(gateway: Gateway, grace_s: float) -> None:
         await asyncio.sleep(0.05)
     if gateway.service.in_flight:
         logger.warning("grace period over; cancelling %d request(s)", gateway.service.in_flight)
+        # End each stream ourselves so its client gets an error event, not a cut connection.
+        for stream in gateway.link.open_streams():
+            if not stream.finished:
+                gateway.link.send(stream.worker_id, wire.Cancel(stream.rid))
+                gateway.link.end_stream(
+                    stream, StreamEnd(503, "shutting_down", "the server is shutting down")
+                )
+        flush_deadline = time.monotonic() + 1.0
+        while gateway.service.in_flight > 0 and time.monotonic() < flush_deadline:
+            await asyncio.sleep(0.02)
 
 
 async def run_server(registry: Registry, host: str, port: int) -> None:

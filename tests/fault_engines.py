@@ -8,7 +8,8 @@ so one worker serves healthy and faulty requests side by side:
   <<hang>>      step() blocks for an hour (no steps, no heartbeats)
   <<stall>>     step() keeps returning nothing while jobs are active (wedged generator)
   <<slow>>      each step sleeps FAULT_SLOW_STEP_S (default 0.05 s)
-Environment: FAULT_LOAD_DELAY_S delays load(); FAULT_CRASH_ON_LOAD=1 makes load() fail.
+Environment: FAULT_LOAD_DELAY_S delays load(); FAULT_CRASH_ON_LOAD=1 makes load() fail;
+FAULT_WARMUP_STEP_S slows each warm-up step.
 """
 
 from __future__ import annotations
@@ -54,6 +55,9 @@ class FaultyEngine(TransformersEngine):
         return super().cancel(rid)
 
     def step(self) -> list[JobOutput]:
+        # Slow warm-up makes the `warming` state long enough for a test to observe it.
+        if any(rid.startswith("__warmup") for rid in self._running_rids()):
+            time.sleep(float(os.environ.get("FAULT_WARMUP_STEP_S", "0")))
         for rid, fault in list(self._faults.items()):
             self._steps_since_fault[rid] += 1
             if fault == "slow":
@@ -73,3 +77,6 @@ class FaultyEngine(TransformersEngine):
             if output.finish_reason is not None:
                 self._faults.pop(output.rid, None)
         return outputs
+
+    def _running_rids(self) -> list[str]:
+        return [*self._active, *self._queue]

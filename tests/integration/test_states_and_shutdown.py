@@ -1,0 +1,152 @@
+"""Lifecycle states as operators see them, crash loops, and graceful shutdown (SIGTERM)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+from tests.harness import GatewayProcess, pid_alive
+from tests.integration.conftest import demo_entry, write_registry
+
+FAULTY = "test:tests.fault_engines.FaultyEngine"
+KNOWN_STATES = {"starting", "loading", "warming", "ready", "draining", "restarting", "failed", "stopped"}
+
+
+def watch_states(gateway: GatewayProcess, until: str, timeout: float) -> list[str]:
+    """Poll /admin/workers and /health/ready; return every distinct state seen, in order."""
+    seen: list[str] = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            workers = httpx.get(gateway.url + "/admin/workers", timeout=2).json()["workers"]
+            ready = httpx.get(gateway.url + "/health/ready", timeout=2).json()
+        except httpx.HTTPError:
+            time.sleep(0.02)
+            continue
+        state = workers[0]["state"]
+        # /health/ready must expose the same lifecycle (it may have moved on between the two calls).
+        assert ready["models"]["m"]["replicas"][0]["state"] in KNOWN_STATES
+        if not seen or seen[-1] != state:
+            seen.append(state)
+        if state == until:
+            return seen
+        time.sleep(0.02)
+    raise AssertionError(f"never reached {until}: {seen}")
+
+
+def test_startup_states_then_draining_on_sigterm(tmp_path: Path, demo_model_dir: Path) -> None:
+    config = write_registry(
+        tmp_path / "models.yaml", [demo_entry("m", demo_model_dir, engine=FAULTY)], shutdown_grace_s=3
+    )
+    env = {
+        "GATEWAY_ALLOW_TEST_ENGINES": "1",
+        "FAULT_LOAD_DELAY_S": "1.5",
+        "FAULT_WARMUP_STEP_S": "0.02",
+        "FAULT_SLOW_STEP_S": "0.02",
+    }
+    with GatewayProcess(config, env=env, wait_ready=False) as gateway:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:  # wait for the HTTP server itself
+            try:
+                httpx.get(gateway.url + "/health/live", timeout=1)
+                break
+            except httpx.HTTPError:
+                time.sleep(0.05)
+        assert httpx.get(gateway.url + "/health/ready", timeout=2).status_code == 503
+        seen = watch_states(gateway, "ready", 60)
+        assert seen[-3:] == ["loading", "warming", "ready"], seen
+        assert seen[0] in ("starting", "loading")
+
+        # A stream in flight when SIGTERM arrives may finish within the grace period.
+        result: dict[str, object] = {}
+
+        def stream_one() -> None:
+            body = {
+                "model": "m",
+                "prompt": "<<slow>> go",
+                "max_tokens": 40,
+                "ignore_eos": True,
+                "stream": True,
+            }
+            with httpx.stream("POST", gateway.url + "/v1/completions", json=body, timeout=30) as response:
+                result["lines"] = [line for line in response.iter_lines() if line.startswith("data: ")]
+
+        streamer = threading.Thread(target=stream_one)
+        streamer.start()
+        time.sleep(0.5)
+        gateway.process.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
+        states = watch_states(gateway, "draining", 5)
+        assert states[-1] == "draining"
+        refused = httpx.post(gateway.url + "/v1/completions", json={"model": "m", "prompt": "x"}, timeout=5)
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "shutting_down"
+        ready = httpx.get(gateway.url + "/health/ready", timeout=2)
+        assert ready.status_code == 503 and ready.json()["status"] == "draining"
+        streamer.join(20)
+        lines = result["lines"]
+        assert lines[-1] == "data: [DONE]"  # type: ignore[index]
+        finish = json.loads(lines[-2][6:])["choices"][0]["finish_reason"]  # type: ignore[index]
+        assert finish == "length"
+        assert gateway.process.wait(15) == 0  # type: ignore[union-attr]
+
+
+def test_stream_past_grace_gets_error_event(tmp_path: Path, demo_model_dir: Path) -> None:
+    config = write_registry(
+        tmp_path / "models.yaml", [demo_entry("m", demo_model_dir, engine=FAULTY)], shutdown_grace_s=1
+    )
+    env = {"GATEWAY_ALLOW_TEST_ENGINES": "1", "FAULT_SLOW_STEP_S": "0.05"}
+    with GatewayProcess(config, env=env) as gateway:
+        pid = gateway.workers()[0]["pid"]
+        body = {
+            "model": "m",
+            "prompt": "<<slow>> long",
+            "max_tokens": 1000,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        events = []
+        with httpx.stream("POST", gateway.url + "/v1/completions", json=body, timeout=30) as response:
+            lines = response.iter_lines()
+            next(lines)
+            gateway.process.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
+            started = time.monotonic()
+            events = [line for line in lines if line.startswith(("event:", "data:"))]
+        assert time.monotonic() - started < 5
+        assert events[-1] == "data: [DONE]"
+        assert events[-3] == "event: error"
+        assert json.loads(events[-2][6:])["error"]["code"] == "shutting_down"
+        assert gateway.process.wait(15) == 0  # type: ignore[union-attr]
+        assert not pid_alive(pid)
+
+
+def test_crash_loop_ends_in_failed_state_with_reason(tmp_path: Path, demo_model_dir: Path) -> None:
+    config = write_registry(
+        tmp_path / "models.yaml",
+        [demo_entry("m", demo_model_dir, engine=FAULTY)],
+        restart_backoff_s=0.2,
+        restart_limit=2,
+    )
+    env = {"GATEWAY_ALLOW_TEST_ENGINES": "1", "FAULT_CRASH_ON_LOAD": "1"}
+    with GatewayProcess(config, env=env, wait_ready=False) as gateway:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                httpx.get(gateway.url + "/health/live", timeout=1)
+                break
+            except httpx.HTTPError:
+                time.sleep(0.05)
+        seen = watch_states(gateway, "failed", 90)
+        assert "restarting" in seen
+        ready = httpx.get(gateway.url + "/health/ready", timeout=2)
+        assert ready.status_code == 503
+        replica = ready.json()["models"]["m"]["replicas"][0]
+        assert replica["state"] == "failed" and "injected load failure" in replica["last_error"]
+        worker = gateway.workers()[0]
+        assert worker["state"] == "failed" and worker["restarts"] == 1
+        assert "2 failed starts" in worker["detail"]
+        reply = httpx.post(gateway.url + "/v1/completions", json={"model": "m", "prompt": "x"}, timeout=5)
+        assert reply.status_code == 503 and "injected load failure" in reply.json()["error"]["message"]
