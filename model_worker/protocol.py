@@ -19,6 +19,10 @@ import msgpack
 PROTOCOL_VERSION = 1
 # A Step carries one entry per active job; even at batch 256 with logprobs it stays far below this.
 MAX_FRAME_BYTES = 16 * 1024 * 1024
+# The socket-level cap (ZMQ_MAXMSGSIZE) sits above the protocol's: ZeroMQ answers a violation by
+# closing the connection for good, so frames between the two caps are dropped and logged instead,
+# and only an absurd frame costs the link (the heartbeat watchdog then restarts the worker).
+MAX_SOCKET_MESSAGE_BYTES = 4 * MAX_FRAME_BYTES
 
 
 class ProtocolError(ValueError):
