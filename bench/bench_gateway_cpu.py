@@ -1,0 +1,282 @@
+"""Gateway overhead on CPU: the transformers engine in-process versus the same model over HTTP.
+
+Runs as a standalone process (the bench process) on a CPU-only host. It drives the
+`TransformersEngine` in this process (raw) and, through a gateway it starts (`python -m gateway
+serve`, which spawns one worker process), `/v1/completions` streams read over httpx (gateway).
+Both use the same demo model, prompt and settings (greedy, ignore_eos, fixed max_tokens,
+threads=1); raw and gateway runs alternate, never overlapping. It measures tokens/s and time to
+first token on both paths (median over repeats after one warm-up each) and their ratio; the
+gateway's and worker's CPU time per streamed token over a burst of concurrent streams (utime +
+stime from /proc/<pid>/stat); client inter-chunk gaps against the raw engine's step intervals;
+and how much CPU other processes on the host used meanwhile, since that skews everything else.
+
+    python bench/bench_gateway_cpu.py --model-preset medium --tokens 256 --repeats 5 --out bench/results
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import httpx  # noqa: E402
+import yaml  # noqa: E402
+
+from tests.harness import GatewayProcess  # noqa: E402
+
+PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time, in a small village, " * 2
+MODEL_NAME = "bench"
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values) or [0.0]
+    return ordered[min(len(ordered) - 1, int(len(ordered) * q))]
+
+
+def gaps(times: list[float]) -> list[float]:
+    return [b - a for a, b in zip(times, times[1:], strict=False)]
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of a whole process (all its threads), from /proc/<pid>/stat."""
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()  # comm may hold spaces; cut after it
+    return (int(fields[11]) + int(fields[12])) / TICK
+
+
+def busy_seconds() -> float:
+    """CPU seconds spent by the whole machine (every core, not idle or iowait), from /proc/stat."""
+    with open("/proc/stat") as stat:
+        user, nice, system, idle, iowait, irq, softirq, steal = map(int, stat.readline().split()[1:9])
+    return (user + nice + system + irq + softirq + steal) / TICK
+
+
+class CpuWatch:
+    """CPU seconds of named processes over a window, plus what the rest of the machine used."""
+
+    def __init__(self, pids: dict[str, int]) -> None:
+        self.pids = pids
+        self.start = {name: cpu_seconds(pid) for name, pid in pids.items()}
+        self.busy, self.wall = busy_seconds(), time.perf_counter()
+
+    def stop(self) -> dict[str, float]:
+        used = {name: cpu_seconds(pid) - self.start[name] for name, pid in self.pids.items()}
+        wall = time.perf_counter() - self.wall
+        # Other processes, plus kernel time no process is charged for (loopback softirq).
+        used["other_core_share"] = (busy_seconds() - self.busy - sum(used.values())) / wall
+        used["wall_s"] = wall
+        return used
+
+
+def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    all_gaps = [g for run in runs for g in gaps(run["times"])]
+    return {
+        "tok_s": statistics.median(r["tokens"] / (r["times"][-1] - r["started"]) for r in runs),
+        "ttft_ms": 1000 * statistics.median(r["times"][0] - r["started"] for r in runs),
+        "gap_ms_p50": 1000 * pct(all_gaps, 0.50),
+        "gap_ms_p99": 1000 * pct(all_gaps, 0.99),
+        "chunks_per_run": statistics.median(len(r["times"]) for r in runs),
+        "tokens_per_run": statistics.median(r["tokens"] for r in runs),
+        "tok_s_runs": [r["tokens"] / (r["times"][-1] - r["started"]) for r in runs],
+    }
+
+
+def raw_run(engine: Any, tokens: int) -> dict[str, Any]:
+    """One greedy job in this process. Encoding is timed because the worker encodes inside the
+    gateway path; "times" are outputs that carry text (what a client would receive as a chunk)."""
+    from model_worker.protocol import SamplingParams
+
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    started = time.perf_counter()
+    engine.submit(f"raw-{started}", engine.encode(PROMPT, add_special_tokens=True), params)
+    steps: list[float] = []
+    times: list[float] = []
+    count = 0
+    while engine.has_work():
+        for output in engine.step():
+            now = time.perf_counter()
+            steps.append(now)
+            count += len(output.token_ids)
+            if output.text:
+                times.append(now)
+    return {"started": started, "times": times, "steps": steps, "tokens": count}
+
+
+def http_run(client: httpx.Client, tokens: int) -> dict[str, Any]:
+    """One streamed completion; a chunk's arrival time is when its SSE data line was read."""
+    body = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    started = time.perf_counter()
+    times: list[float] = []
+    usage: dict[str, Any] = {}
+    with client.stream("POST", "/v1/completions", json=body, timeout=300) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"HTTP {response.status_code}: {response.read().decode()[:500]}")
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                raise RuntimeError(f"stream error: {event['error']}")
+            if any(choice.get("text") for choice in event.get("choices", [])):
+                times.append(time.perf_counter())
+            usage = event.get("usage") or usage
+    return {"started": started, "times": times, "tokens": usage.get("completion_tokens", len(times))}
+
+
+def engine_settings(model_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
+    return {"path": str(model_dir), "max_seq_len": 2048, "threads": 1,
+            "max_batch_size": args.streams, "max_chunk_size": 2048}  # fmt: skip
+
+
+def measure(model_dir: Path, work: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """Raw and gateway runs alternate (never overlap), so slow drift in background load hits both."""
+    from model_worker.engines.base import EngineSettings
+    from model_worker.engines.transformers_engine import TransformersEngine
+
+    engine = TransformersEngine(EngineSettings(**engine_settings(model_dir, args)))
+    engine.load(lambda detail, progress: None)
+    entry = {"name": MODEL_NAME, "engine": "transformers", **engine_settings(model_dir, args),
+             "limits": {"max_concurrent_jobs": args.streams, "max_queued_requests": 64}}  # fmt: skip
+    config = work / "models.yaml"
+    config.write_text(yaml.safe_dump({"models": [entry]}))
+    with GatewayProcess(config, ready_timeout=300, log_path=work / "gateway.log") as gw:
+        pids = {"bench": os.getpid(), "gateway": gw.pid, "worker": int(gw.workers()[0]["pid"])}
+        with httpx.Client(base_url=gw.url) as client:
+            raw_run(engine, args.tokens)  # one warm-up each
+            http_run(client, args.tokens)
+            raw_runs, http_runs = [], []
+            watch = CpuWatch(pids)
+            for _ in range(args.repeats):
+                raw_runs.append(raw_run(engine, args.tokens))
+                http_runs.append(http_run(client, args.tokens))
+            single_cpu = watch.stop()
+        engine.close()
+        watch = CpuWatch(pids)  # idle: heartbeats and timers only
+        time.sleep(args.idle_s)
+        idle_cpu = watch.stop()
+        clients = [httpx.Client(base_url=gw.url) for _ in range(args.streams)]
+        watch = CpuWatch(pids)
+        with ThreadPoolExecutor(args.streams) as pool:
+            burst = list(pool.map(lambda c: http_run(c, args.burst_tokens or args.tokens), clients))
+        burst_cpu = watch.stop()
+        for client in clients:
+            client.close()
+    steps = [g for run in raw_runs for g in gaps(run["steps"])]
+    streamed = sum(r["tokens"] for r in burst)
+    return {
+        "raw": {**summarize(raw_runs), "step_ms_p50": 1000 * pct(steps, 0.5),
+                "step_ms_p99": 1000 * pct(steps, 0.99)},
+        "gateway": summarize(http_runs),
+        "burst": {"streams": args.streams, "tokens": streamed, "tok_s": streamed / burst_cpu["wall_s"],
+                  "chunks": sum(len(r["times"]) for r in burst),
+                  **{f"{k}_us_per_token": 1e6 * burst_cpu[k] / streamed for k in pids}},
+        "cpu_s": {"single_stream_phase": single_cpu, "idle": idle_cpu, "burst": burst_cpu},
+    }  # fmt: skip
+
+
+# ---- report -----------------------------------------------------------------------------------
+
+
+def environment(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+    import transformers
+
+    cpu = "unknown"
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            cpu = line.split(":", 1)[1].strip()
+            break
+    return {
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(),
+        "torch": torch.__version__, "transformers": transformers.__version__,
+        "preset": args.model_preset, "tokens": args.tokens, "repeats": args.repeats,
+        "prompt_chars": len(PROMPT),
+    }  # fmt: skip
+
+
+def markdown(report: dict[str, Any]) -> str:
+    env, raw, gw = report["env"], report["raw"], report["gateway"]
+    burst, cpu = report["burst"], report["cpu_s"]
+    lines = [
+        f"{env['cpu']}, {env['cores']} cores | {env['date']} | python {env['python']} | "
+        f"torch {env['torch']} | transformers {env['transformers']}",
+        f"demo model `{env['preset']}`, greedy, ignore_eos, {env['tokens']} tokens, threads=1, "
+        f"median of {env['repeats']} (raw and gateway alternating) after 1 warm-up each",
+        "",
+        "| path | tok/s | TTFT ms | chunk gap p50 ms | chunk gap p99 ms | chunks/run |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, r in (("raw engine, in-process", raw), ("gateway, HTTP stream at client", gw)):
+        lines.append(f"| {name} | {r['tok_s']:.1f} | {r['ttft_ms']:.2f} | {r['gap_ms_p50']:.3f} | "
+                     f"{r['gap_ms_p99']:.3f} | {r['chunks_per_run']:.0f} |")  # fmt: skip
+    share = cpu["single_stream_phase"]["other_core_share"], cpu["burst"]["other_core_share"]
+    lines += [
+        "",
+        "| metric | value |",
+        "|---|---|",
+        f"| gateway tok/s ÷ raw tok/s | {report['ratios']['tok_s_ratio']:.3f} |",
+        f"| TTFT added by the gateway | {report['ratios']['ttft_added_ms']:.2f} ms |",
+        f"| raw engine step interval p50 / p99 | {raw['step_ms_p50']:.3f} / {raw['step_ms_p99']:.3f} ms |",
+        f"| burst | {burst['streams']} streams × {burst['tokens'] // burst['streams']} tokens, "
+        f"{burst['tok_s']:.1f} tok/s total, {burst['chunks']} chunks |",
+        f"| gateway CPU per streamed token | {burst['gateway_us_per_token']:.1f} µs |",
+        f"| worker CPU per streamed token | {burst['worker_us_per_token']:.1f} µs |",
+        f"| bench client CPU per streamed token | {burst['bench_us_per_token']:.1f} µs |",
+        f"| idle CPU gateway / worker | {1000 * cpu['idle']['gateway'] / cpu['idle']['wall_s']:.2f} / "
+        f"{1000 * cpu['idle']['worker'] / cpu['idle']['wall_s']:.2f} ms/s |",
+        f"| other load on the host (single-stream phase / burst) | {share[0]:.2f} / {share[1]:.2f} cores |",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model-preset", default="medium", choices=["small", "medium"])
+    parser.add_argument("--tokens", type=int, default=256, help="max_tokens per single-stream run")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--streams", type=int, default=8, help="concurrent streams in the CPU burst")
+    parser.add_argument("--burst-tokens", type=int, help="max_tokens per burst stream (default: --tokens)")
+    parser.add_argument("--idle-s", type=float, default=2.0, help="idle window for the baseline CPU rate")
+    parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    args = parser.parse_args(argv)
+
+    from gateway.demo_model import make_demo_model
+
+    report: dict[str, Any] = {"env": environment(args)}
+    with tempfile.TemporaryDirectory(prefix="bench-gw-cpu-") as tmp:
+        work = Path(tmp)
+        model_dir = make_demo_model(work / "model", preset=args.model_preset, seed=0)
+        report.update(measure(model_dir, work, args))
+    raw, gw = report["raw"], report["gateway"]
+    report["ratios"] = {
+        "tok_s_ratio": gw["tok_s"] / raw["tok_s"],
+        "ttft_added_ms": gw["ttft_ms"] - raw["ttft_ms"],
+    }
+    table = markdown(report)
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = f"bench_gateway_cpu_{report['env']['date'].replace(':', '')}"
+    (args.out / f"{stem}.md").write_text(table + "\n")
+    (args.out / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
+    print(table)
+    print(f"\nwrote {args.out / stem}.md and .json")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
