@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from model_worker.devices import cuda_devices
 from model_worker.engines.base import EngineSettings, ProgressCallback, RequestRejected
 from model_worker.engines.transformers_sampling import JobSampler
 from model_worker.protocol import JobOutput, SamplingParams
@@ -125,19 +126,7 @@ class TransformersEngine:
         }
 
     def info(self) -> dict[str, Any]:
-        devices: list[dict[str, Any]] = [{"name": "cpu"}]
-        if self._device.type == "cuda":
-            index = self._device.index or 0
-            props = torch.cuda.get_device_properties(index)
-            uuid = str(getattr(props, "uuid", ""))
-            devices = [
-                {
-                    "index": index,
-                    "name": props.name,
-                    "uuid": uuid if not uuid or uuid.startswith("GPU-") else f"GPU-{uuid}",
-                    "memory_total_mib": round(props.total_memory / 2**20),
-                }
-            ]
+        devices: list[dict[str, Any]] = cuda_devices() if self._device.type == "cuda" else [{"name": "cpu"}]
         return {
             "engine": "transformers",
             "max_seq_len": self.settings.max_seq_len,

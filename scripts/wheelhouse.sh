@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# Build the wheelhouse for an air-gapped GPU server.
+#
+# Runs on a machine that can reach PyPI (a developer box or CI), never on the GPU server itself.
+# It downloads cp312 manylinux x86_64 wheels of everything this project needs at run time that the
+# GPU image (Python 3.12, torch, transformers, tokenizers, safetensors, msgpack, pyyaml, jinja2,
+# httpx, uvloop, prometheus-client, pytest; see /work/.library/device/KINDS.md) does not have,
+# into ./.whl/ (git-ignored). Copy .whl/ to the server and install it there without an index:
+#
+#   python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl
+#   export PYTHONPATH=/tmp/site:$PYTHONPATH
+#
+# Every package is fetched with --no-deps and an exact version, because a resolver run for the
+# target platform would drag in torch (exllamav2 requires it) and blow the 64 MiB that a lent GPU
+# machine accepts. So the dependency closure is spelled out below; when a version changes, list its
+# new Requires-Dist with `unzip -p .whl/NAME-*.whl '*/METADATA' | grep ^Requires-Dist`.
+# exllamav2's own extras (fastparquet, websockets) are only used by its converter and its websocket
+# demo server, which this project never imports.
+#
+# Usage: scripts/wheelhouse.sh [DEST]      (DEST defaults to .whl in the repository root)
+# Also copies the prebuilt exllamav2 extension into .gpu/ when ../shared/gpu holds it, so that one
+# `carry: [".whl", ".gpu"]` takes everything a GPU run needs.
+set -euo pipefail
+
+repo_root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+dest=${1:-"$repo_root/.whl"}
+python=${PYTHON:-python3}
+
+# One version of each: two versions of one name make the --no-deps install fail on the server.
+packages=(
+    # the GPU engine (pure Python; its CUDA extension is prebuilt or JIT-built on the server)
+    exllamav2==0.3.2
+    # worker <-> gateway link
+    pyzmq==27.3.0
+    # HTTP server: Quart on Hypercorn, and what they import
+    quart==0.22.0 flask==3.1.3 werkzeug==3.1.9 blinker==1.9.0 itsdangerous==2.2.0
+    hypercorn==0.18.0 h11==0.16.0 h2==4.4.1 hpack==4.2.0 hyperframe==6.1.0 priority==2.0.0 wsproto==1.3.2
+    # registry and request schemas
+    pydantic==2.14.3 pydantic-core==2.50.4 annotated-types==0.8.0 typing-inspection==0.4.5
+    typing-extensions==4.16.0
+    # the OpenAI SDK used by tests and benchmarks, with its HTTP stack
+    openai==3.54.0 jiter==0.19.0 sniffio==1.3.1 anyio==4.16.0 idna==3.20 distro==1.9.0
+    httpx2==2.16.2 httpcore2==2.16.2 truststore==0.10.5
+)
+
+mkdir -p "$dest"
+# The exact incantation from the device notes: pip matches each manylinux tag literally.
+"$python" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
+    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64 \
+    -d "$dest" "${packages[@]}"
+
+# Drop wheels of other versions left from an older run: they would collide on install.
+wanted=$(printf '%s\n' "${packages[@]}" | sed -E 's/==/-/; s/[-_.]+/_/g' | tr '[:upper:]' '[:lower:]')
+for wheel in "$dest"/*.whl; do
+    stem=$(basename "$wheel" | cut -d- -f1-2 | sed -E 's/[-_.]+/_/g' | tr '[:upper:]' '[:lower:]')
+    grep -qx "$stem" <<<"$wanted" || { echo "removing stale $(basename "$wheel")"; rm -f "$wheel"; }
+done
+
+ext_src="$repo_root/../shared/gpu/exllamav2_ext-0.3.2-torch2.11.0cu130-sm90.so.xz"
+if [[ -f "$ext_src" ]]; then
+    mkdir -p "$repo_root/.gpu"
+    cp -f "$ext_src" "$repo_root/.gpu/exllamav2_ext.so.xz"
+fi
+
+# Keep the carried folders out of git even in worktrees without our .gitignore.
+exclude="$repo_root/.git/info/exclude"
+if [[ -d "$repo_root/.git" ]]; then
+    mkdir -p "$(dirname "$exclude")"
+    for pattern in /.whl/ /.gpu/; do
+        grep -qxF "$pattern" "$exclude" 2>/dev/null || echo "$pattern" >>"$exclude"
+    done
+fi
+
+count=$(find "$dest" -name '*.whl' | wc -l)
+size=$(du -sm "$dest" | cut -f1)
+echo "wheelhouse: $count wheels, ${size} MiB in $dest"
+if [[ -d "$repo_root/.gpu" ]]; then
+    total=$(du -smc "$dest" "$repo_root/.gpu" | tail -1 | cut -f1)
+    echo "carried with .gpu: ${total} MiB (limit 64 MiB)"
+    ((total < 64)) || { echo "too large to carry" >&2; exit 1; }
+fi
