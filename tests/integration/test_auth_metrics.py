@@ -1,0 +1,200 @@
+"""API keys and Prometheus metrics on a real gateway: two CPU workers, a keys file, an env key.
+
+Runs in the pytest process against one module-scoped gateway. Covers deny-by-default, both ways
+of sending a key, model scopes, admin scope, rate limits, keys-file reloads without a restart,
+the loopback-only rule without keys, and /metrics after real requests.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.harness import REPO_ROOT, GatewayProcess
+from tests.integration.conftest import demo_entry, write_registry
+
+ALICE = "alice-0123456789abcdef"  # demo-a only, stored as a digest
+OPS = "ops-0123456789abcdefgh"  # admin
+LIMITED = "limited-0123456789abcd"  # demo-b, 2 requests per minute
+ENV_KEY = "env-0123456789abcdefgh"  # GATEWAY_API_KEYS: every model
+BOB = "bob-0123456789abcdefghi"  # added while the gateway runs
+
+KEYS = f"""
+keys:
+  - name: alice
+    key_sha256: {hashlib.sha256(ALICE.encode()).hexdigest()}
+    models: [demo-a]
+  - name: ops
+    key: {OPS}
+    admin: true
+  - name: limited
+    key: {LIMITED}
+    models: [demo-b]
+    rate_limit_rpm: 2
+"""
+
+
+def bearer(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory: pytest.TempPathFactory, demo_model_dir: Path) -> Iterator[GatewayProcess]:
+    folder = tmp_path_factory.mktemp("auth")
+    (folder / "keys.yaml").write_text(KEYS)
+    (folder / "keys.yaml").chmod(0o600)
+    config = write_registry(
+        folder / "models.yaml",
+        [demo_entry("demo-a", demo_model_dir), demo_entry("demo-b", demo_model_dir)],
+        api_keys_file="keys.yaml",
+    )
+    env = {"GATEWAY_API_KEYS": ENV_KEY, "GATEWAY_ADMIN_KEYS": ""}
+    with GatewayProcess(config, env=env, wait_ready=False) as gw:
+        wait_until_ready(gw, bearer(OPS), timeout=120)
+        yield gw
+
+
+def wait_until_ready(gw: GatewayProcess, headers: dict[str, str], timeout: float) -> None:
+    """The harness's own wait sends no key; this one does."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert gw.process is not None and gw.process.poll() is None, gw.log()
+        try:
+            if httpx.get(gw.url + "/health/ready", headers=headers, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass  # not listening yet
+        time.sleep(0.2)
+    raise TimeoutError(f"gateway not ready after {timeout}s:\n{gw.log()}")
+
+
+def get(gw: GatewayProcess, path: str, headers: dict[str, str] | None = None) -> httpx.Response:
+    return httpx.get(gw.url + path, headers=headers or {}, timeout=10)
+
+
+def chat(gw: GatewayProcess, key: str, model: str, **extra: Any) -> httpx.Response:
+    body = {"model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8, **extra}
+    return httpx.post(gw.url + "/v1/chat/completions", json=body, headers=bearer(key), timeout=60)
+
+
+def test_live_is_open_everything_else_needs_a_key(gateway: GatewayProcess) -> None:
+    assert get(gateway, "/health/live").status_code == 200
+    for path in ("/v1/models", "/health/ready", "/metrics", "/admin/workers"):
+        response = get(gateway, path)
+        assert response.status_code == 401, path
+        assert response.json()["error"] == {
+            "message": response.json()["error"]["message"],
+            "type": "authentication_error",
+            "param": None,
+            "code": "invalid_api_key",
+        }
+    assert get(gateway, "/v1/models", bearer(ALICE + "x")).status_code == 401
+    assert get(gateway, "/health/ready", bearer(ALICE)).status_code == 200
+
+
+def test_bearer_and_x_api_key_with_model_scopes(gateway: GatewayProcess) -> None:
+    for headers in (bearer(ALICE), {"x-api-key": ALICE}):
+        models = get(gateway, "/v1/models", headers).json()["data"]
+        assert [m["id"] for m in models] == ["demo-a"]
+    assert [m["id"] for m in get(gateway, "/v1/models", bearer(ENV_KEY)).json()["data"]] == [
+        "demo-a",
+        "demo-b",
+    ]
+    assert chat(gateway, ALICE, "demo-a").status_code == 200
+    refused = chat(gateway, ALICE, "demo-b")
+    assert refused.status_code == 404 and refused.json()["error"]["code"] == "model_not_found"
+    assert get(gateway, "/v1/models/demo-b", bearer(ALICE)).status_code == 404
+
+
+def test_admin_routes_need_an_admin_key(gateway: GatewayProcess) -> None:
+    response = get(gateway, "/admin/workers", bearer(ALICE))
+    assert response.status_code == 403 and response.json()["error"]["code"] == "permission_denied"
+    workers = get(gateway, "/admin/workers", bearer(OPS)).json()["workers"]
+    assert sorted(w["id"] for w in workers) == ["demo-a#0", "demo-b#0"]
+
+
+def test_rate_limited_key_gets_429_with_retry_after(gateway: GatewayProcess) -> None:
+    statuses = [get(gateway, "/v1/models", bearer(LIMITED)) for _ in range(3)]
+    assert [r.status_code for r in statuses] == [200, 200, 429]
+    assert statuses[2].json()["error"]["code"] == "rate_limit_exceeded"
+    assert 1 <= int(statuses[2].headers["Retry-After"]) <= 30
+
+
+def test_keys_file_edit_is_picked_up_without_restart(gateway: GatewayProcess) -> None:
+    keys_file = gateway.config_path.parent / "keys.yaml"
+    try:
+        keys_file.write_text(KEYS + f"  - {{name: bob, key: {BOB}, models: ['*']}}\n")
+        deadline = time.monotonic() + 10
+        while get(gateway, "/v1/models", bearer(BOB)).status_code != 200:
+            assert time.monotonic() < deadline, "the new key was not picked up"
+            time.sleep(0.2)
+        keys_file.write_text("keys: [{name: broken}]\n")
+        time.sleep(1.5)  # past the once-a-second check
+        assert get(gateway, "/v1/models", bearer(BOB)).status_code == 200  # old keys stay
+        assert "keeping the previous keys" in gateway.log()
+        assert BOB not in gateway.log() and OPS not in gateway.log()  # keys are never logged
+    finally:
+        keys_file.write_text(KEYS)
+
+
+def test_metrics_after_requests(gateway: GatewayProcess) -> None:
+    assert chat(gateway, ALICE, "demo-a").status_code == 200
+    stream = {"stream": True, "stream_options": {"include_usage": True}}
+    with httpx.stream(
+        "POST",
+        gateway.url + "/v1/chat/completions",
+        json={"model": "demo-b", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8, **stream},
+        headers=bearer(ENV_KEY),
+        timeout=60,
+    ) as response:
+        lines = [line for line in response.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]" and json.loads(lines[-2][6:])["usage"]["completion_tokens"] > 0
+    text = get(gateway, "/metrics", bearer(ALICE)).text
+    samples: dict[tuple[str, frozenset[tuple[str, str]]], float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            samples[(sample.name, frozenset(sample.labels.items()))] = sample.value
+
+    def value(name: str, **labels: str) -> float:
+        return samples.get((name, frozenset(labels.items())), 0.0)
+
+    requests = "gateway_requests_total"
+    assert value(requests, model="demo-a", endpoint="/v1/chat/completions", status="200") >= 2
+    assert value(requests, model="demo-b", endpoint="/v1/chat/completions", status="200") >= 1
+    assert value(requests, model="", endpoint="/v1/models", status="401") >= 1
+    for model in ("demo-a", "demo-b"):
+        assert value("gateway_time_to_first_token_seconds_count", model=model) >= 1
+        assert value("gateway_time_to_first_token_seconds_bucket", model=model, le="+Inf") >= 1
+        assert value("gateway_request_duration_seconds_count", model=model) >= 1
+        assert value("gateway_prompt_tokens_total", model=model) > 0
+        assert value("gateway_completion_tokens_total", model=model) > 0
+        worker = f"{model}#0"
+        assert value("gateway_worker_up", model=model, worker=worker) == 1
+        assert value("gateway_worker_state", model=model, worker=worker, state="ready") == 1
+        assert value("gateway_worker_state", model=model, worker=worker, state="failed") == 0
+        assert ("gateway_worker_restarts_total", frozenset({("model", model), ("worker", worker)})) in samples
+        assert ("gateway_queue_depth", frozenset({("model", model)})) in samples
+        assert ("gateway_active_jobs", frozenset({("model", model), ("worker", worker)})) in samples
+    assert value("gateway_inter_token_latency_seconds_count", model="demo-b") >= 1
+
+
+def test_non_loopback_bind_without_keys_is_refused(tmp_path: Path, demo_model_dir: Path) -> None:
+    config = write_registry(tmp_path / "models.yaml", [demo_entry("demo-a", demo_model_dir)])
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GATEWAY_")}
+    env["PYTHONPATH"] = str(REPO_ROOT)
+    command = [sys.executable, "-m", "gateway", "serve", "--config", str(config), "--host", "0.0.0.0"]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=60, cwd=REPO_ROOT)
+    assert result.returncode == 2
+    assert "refusing to listen on '0.0.0.0' without API keys" in result.stderr
+    assert "Traceback" not in result.stderr
