@@ -15,9 +15,12 @@ from typing import Any
 from quart import Quart, jsonify
 from werkzeug.exceptions import HTTPException
 
-from gateway.api import health, openai
+from gateway.api import health, openai, openapi
+from gateway.api import metrics as metrics_api
+from gateway.auth import Authenticator
 from gateway.config import Registry
 from gateway.errors import APIError, error_body
+from gateway.metrics import GatewayMetrics, count_response
 from gateway.state import Gateway
 
 logger = logging.getLogger(__name__)
@@ -41,11 +44,19 @@ def create_app(registry: Registry) -> Quart:
     app.config["RESPONSE_TIMEOUT"] = None  # streams may legitimately run for many minutes
     app.config["BODY_TIMEOUT"] = 60
     app.config["JSON_SORT_KEYS"] = False
+    # Keys first: a broken keys file stops startup before a runtime folder or socket exists.
+    authenticator = Authenticator(registry)
     runtime_dir = make_runtime_dir(registry)
     gateway = Gateway.build(registry, runtime_dir)
     app.extensions["gateway"] = gateway
+    app.extensions["auth"] = authenticator
+    app.extensions["metrics"] = GatewayMetrics(gateway)
+    app.before_request(authenticator.before_request)
+    app.after_request(count_response)
     app.register_blueprint(openai.blueprint)
     app.register_blueprint(health.blueprint)
+    app.register_blueprint(openapi.blueprint)
+    app.register_blueprint(metrics_api.blueprint)
 
     @app.before_serving
     async def start_gateway() -> None:

@@ -14,6 +14,7 @@ import os
 import sys
 from pathlib import Path
 
+from gateway.api_keys import check_bind_allowed, keys_file_path, parse_keys_file
 from gateway.config import ConfigError, load_registry
 
 DEFAULT_CONFIG = "config/models.yaml"
@@ -23,6 +24,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     registry = load_registry(args.config)
     host = args.host or os.environ.get("HOST") or registry.server.host
     port = int(args.port if args.port is not None else os.environ.get("PORT") or registry.server.port)
+    check_bind_allowed(registry, host, os.environ)  # no keys: loopback only
     from gateway.server import run_server
 
     asyncio.run(run_server(registry, host, port))
@@ -35,6 +37,9 @@ def _cmd_check_config(args: argparse.Namespace) -> int:
         missing = "" if model.path.exists() else "  (path does not exist yet)"
         where = f"gpus {model.gpus}" if model.gpus else "cpu"
         print(f"ok: {model.name} [{model.engine}, {where}] {model.path}{missing}")
+    keys_path = keys_file_path(registry)
+    if keys_path is not None:
+        print(f"ok: API keys file {keys_path} ({len(parse_keys_file(keys_path, registry))} key(s))")
     return 0
 
 

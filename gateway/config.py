@@ -14,7 +14,6 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-
 ENGINES = ("exllamav2", "transformers")
 
 
@@ -101,6 +100,12 @@ class ServerConfig(_Strict):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     runtime_dir: Path | None = Field(None, description="Where ipc sockets live; default a private temp dir.")
+    api_keys_file: Path | None = Field(
+        None,
+        description="YAML file of API keys (gateway/api_keys.py shows the format), relative to the registry "
+        "file; re-read when it changes. With no keys here nor in GATEWAY_API_KEYS / GATEWAY_ADMIN_KEYS, "
+        "the gateway serves without auth and only on a loopback address.",
+    )
     worker_start_timeout_s: float = Field(600.0, gt=0, description="Load plus warm-up deadline per worker.")
     heartbeat_interval_s: float = Field(1.0, gt=0)
     heartbeat_timeout_s: float = Field(30.0, gt=0, description="No frame for this long: worker lost.")

@@ -12,7 +12,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from gateway.errors import APIError, InvalidRequest, RequestTimeout, ServiceUnavailable, WorkerFailed
@@ -148,21 +148,61 @@ class GenerationService:
             await job.close()
             raise
 
+    def track_release(self, jobs: list[ActiveJob]) -> Callable[[], Awaitable[None]]:
+        """An idempotent release for a streamed request, also run when its request task ends.
+
+        A streamed response's body may never start (the client left between the handler's return
+        and the first chunk); then its `finally` never runs. The request task always ends, though,
+        so a done-callback on it guarantees the jobs are cancelled and the slots freed.
+        """
+        released = False
+
+        async def release() -> None:
+            nonlocal released
+            if released:
+                return
+            released = True
+            self.in_flight -= 1
+            await asyncio.gather(*(job.close() for job in jobs))
+
+        def on_task_done(_: asyncio.Task[Any]) -> None:
+            if not released:
+                task = asyncio.get_running_loop().create_task(release())
+                self._abandoned.add(task)
+                task.add_done_callback(self._abandoned.discard)
+
+        request_task = asyncio.current_task()
+        if request_task is not None:
+            request_task.add_done_callback(on_task_done)
+
+            async def abandon() -> None:
+                # A client that stopped reading: drop its connection; the callback above frees the rest.
+                request_task.cancel()
+                await release()
+
+            for job in jobs:
+                job.stream.on_abandon = abandon
+        return release
+
     async def _keepalive_forever(self) -> None:
         """One ticker for all streams: keep-alive pings, and dropping clients that stopped reading."""
         while True:
             await asyncio.sleep(min(self.keepalive_s / 2, self.write_stall_timeout_s / 4, 1.0))
             now = time.monotonic()
             for stream in self.link.open_streams():
-                if stream.finished:
-                    continue
+                # Finished jobs count too: their last chunks may be stuck behind a client that
+                # stopped reading, holding a slot and a connection.
                 if stream.queue.qsize() and now - stream.last_consumed >= self.write_stall_timeout_s:
-                    logger.warning("request %s: client stopped reading; cancelling its job", stream.rid)
-                    self.link.send(stream.worker_id, wire.Cancel(stream.rid))
-                    self.link.end_stream(stream, StreamEnd(503, "slow_reader", "the client stopped reading"))
+                    logger.warning("request %s: client stopped reading; dropping it", stream.rid)
+                    if not stream.finished:
+                        self.link.send(stream.worker_id, wire.Cancel(stream.rid))
+                        self.link.end_stream(
+                            stream, StreamEnd(503, "slow_reader", "the client stopped reading")
+                        )
+                    self.link.close_stream(stream.rid)
                     if stream.on_abandon is not None:
                         task = asyncio.create_task(stream.on_abandon())
                         self._abandoned.add(task)
                         task.add_done_callback(self._abandoned.discard)
-                elif now - stream.last_activity >= self.keepalive_s:
+                elif not stream.finished and now - stream.last_activity >= self.keepalive_s:
                     stream.feed(KEEPALIVE)

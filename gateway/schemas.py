@@ -7,7 +7,7 @@ accepted and ignored, as OpenAI clients send vendor extensions freely.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -20,6 +20,8 @@ MAX_STOP_LENGTH = 256
 MAX_MESSAGES = 4096
 MAX_TOP_LOGPROBS = 20
 MAX_N = 8
+# Token ids travel as msgpack ints; bound them here so a wild value is a 400, not an encoder error.
+TokenId = Annotated[int, Field(ge=0, lt=2**31)]
 
 
 class _Request(BaseModel):
@@ -37,7 +39,7 @@ class _Request(BaseModel):
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     seed: int | None = Field(None, ge=0, lt=2**63)
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     n: int = Field(1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -61,7 +63,7 @@ class _Request(BaseModel):
     @classmethod
     def _bias_range(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
         for key, value in (bias or {}).items():
-            if not key.lstrip("-").isdigit() or int(key) < 0:
+            if not key.isdigit() or int(key) >= 2**31:
                 raise ValueError("logit_bias keys must be token ids")
             if not -100.0 <= value <= 100.0:
                 raise ValueError("logit_bias values must be within [-100, 100]")
@@ -70,6 +72,11 @@ class _Request(BaseModel):
     def sampling_params(self, model: ModelConfig, logprobs: int | None) -> SamplingParams:
         defaults = model.defaults
         max_tokens = self.requested_max_tokens() or defaults.max_tokens
+        if max_tokens > model.max_seq_len:
+            param = "max_completion_tokens" if getattr(self, "max_completion_tokens", None) else "max_tokens"
+            raise InvalidRequest(
+                f"{param} must not exceed the model's context length ({model.max_seq_len})", param=param
+            )
         if self.min_tokens > max_tokens:
             raise InvalidRequest("min_tokens must not exceed max_tokens", param="min_tokens")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -158,7 +165,7 @@ class ChatCompletionRequest(_Request):
 
 
 class CompletionRequest(_Request):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
     max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for legacy completions
     logprobs: int | None = Field(None, ge=0, le=5)
     echo: bool = False

@@ -213,7 +213,7 @@ class Worker:
             if self.chat_template is None:
                 raise RequestRejected(
                     "chat_template_missing",
-                    "this model has no chat template; use /v1/completions or set chat_template in models.yaml",
+                    "this model has no chat template; use /v1/completions or set one in models.yaml",
                     "messages",
                 )
             try:

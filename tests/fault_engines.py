@@ -24,7 +24,7 @@ from model_worker.engines.transformers_engine import TransformersEngine
 from model_worker.protocol import JobOutput, SamplingParams
 
 MARKERS = ("crash", "segfault", "hang", "stall", "slow")
-FAULT_AFTER_STEPS = 3
+FAULT_AFTER_STEPS = 10  # late enough that Accepted has left the process
 
 
 class FaultyEngine(TransformersEngine):

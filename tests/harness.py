@@ -41,7 +41,9 @@ class GatewayProcess:
         self.url = f"http://127.0.0.1:{self.port}"
         self.ready_timeout = ready_timeout
         self.wait_ready = wait_ready
-        self.env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), **(env or {})}
+        # Prepend, not replace: a GPU host puts carried wheels on PYTHONPATH too.
+        python_path = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)
+        self.env = {**os.environ, "PYTHONPATH": python_path, **(env or {})}
         self.log_path = log_path or self.config_path.with_suffix(f".{self.port}.log")
         self.process: subprocess.Popen[bytes] | None = None
 

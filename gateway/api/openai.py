@@ -10,15 +10,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
 from quart import Blueprint, Response, jsonify, request
 
 from gateway.api.openai_format import SSE_DONE, SSE_KEEPALIVE, ChoiceState, ResponseFormatter, sse_error
+from gateway.auth import may_use
 from gateway.errors import APIError, InvalidRequest
 from gateway.generation import ActiveJob
+from gateway.metrics import CLIENT_CLOSED, RequestRecorder, start_request
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.state import Gateway, current_gateway
 from model_worker.protocol import JobOutput
@@ -45,7 +47,8 @@ async def parse_body(schema: type[BaseModel]) -> Any:
 @blueprint.get("/v1/models")
 async def list_models() -> Any:
     gateway = current_gateway()
-    return jsonify({"object": "list", "data": [gateway.model_card(name) for name in gateway.router.routes]})
+    names = [name for name in gateway.router.routes if may_use(name)]  # only what this API key may use
+    return jsonify({"object": "list", "data": [gateway.model_card(name) for name in names]})
 
 
 @blueprint.get("/v1/models/<path:model_id>")
@@ -92,6 +95,7 @@ async def _serve(
     deadline = gateway.router.deadline_for(route, req.timeout)
     prefix = "chatcmpl-" if chat else "cmpl-"
     formatter = ResponseFormatter(prefix + uuid.uuid4().hex, req.model, chat)
+    recorder = start_request(route.config.name)
     jobs: list[ActiveJob] = []
     gateway.service.in_flight += 1
     try:
@@ -101,29 +105,42 @@ async def _serve(
                 # Distinct choices of one request must not be identical copies.
                 seeded = type(params)(**{**params.to_wire(), "seed": params.seed + index})
             jobs.append(await gateway.service.submit(route, seeded, deadline, **fields))
-    except BaseException:
+    except BaseException as exc:
         gateway.service.in_flight -= 1
+        recorder.fail(exc)
         await asyncio.gather(*(job.close() for job in jobs))
         raise
     if req.stream:
-        body = _stream(gateway, jobs, formatter, req.include_usage_in_stream(), echoes)
+        release = gateway.service.track_release(jobs)
+        body = _stream(gateway, jobs, formatter, req.include_usage_in_stream(), echoes, recorder, release)
         response = Response(body, content_type="text/event-stream; charset=utf-8")
         response.headers["Cache-Control"] = "no-cache"
         response.headers["X-Accel-Buffering"] = "no"
         response.timeout = None  # long generations must not be cut by Quart's response timeout
         return response
+    states = [ChoiceState(i, job.prompt_tokens) for i, job in enumerate(jobs)]
     try:
-        states = [ChoiceState(i, job.prompt_tokens) for i, job in enumerate(jobs)]
         async for index, item in _merged(jobs, keepalive=False):
             states[index].add(item)
+            recorder.output(item)
+        recorder.finish(200, states)
         return jsonify(formatter.final_body(states, echoes))
+    except BaseException as exc:
+        recorder.fail(exc, states)
+        raise
     finally:
         gateway.service.in_flight -= 1
         await asyncio.gather(*(job.close() for job in jobs))
 
 
 async def _stream(
-    gateway: Gateway, jobs: list[ActiveJob], formatter: ResponseFormatter, with_usage: bool, echoes: list[str]
+    gateway: Gateway,
+    jobs: list[ActiveJob],
+    formatter: ResponseFormatter,
+    with_usage: bool,
+    echoes: list[str],
+    recorder: RequestRecorder,
+    release: Callable[[], Awaitable[None]],
 ) -> AsyncIterator[bytes]:
     states = [ChoiceState(i, job.prompt_tokens) for i, job in enumerate(jobs)]
     echo_pending = list(echoes)
@@ -136,6 +153,7 @@ async def _stream(
                 continue
             state = states[index]
             state.add(item)
+            recorder.output(item)
             echo = echo_pending[index] if echo_pending else ""
             if echo:
                 echo_pending[index] = ""
@@ -143,16 +161,19 @@ async def _stream(
                 yield formatter.delta_chunk(state, item, with_usage, echo)
         if with_usage:
             yield formatter.usage_chunk(states)
+        recorder.finish(200, states)
         yield SSE_DONE
     except APIError as exc:
         logger.info("stream ended with error %s: %s", exc.code, exc.message)
+        recorder.fail(exc, states)
         yield sse_error(exc.body())
         yield SSE_DONE
     finally:
         # Runs on normal end, on error, and on client disconnect (CancelledError): cancels
-        # every job that has not finished, so no zombie job keeps cache pages.
-        gateway.service.in_flight -= 1
-        await asyncio.gather(*(job.close() for job in jobs))
+        # every job that has not finished, so no zombie job keeps cache pages. (If the client
+        # left before this body ever started, the request task's done-callback releases instead.)
+        recorder.finish(CLIENT_CLOSED, states)  # still open here: the client went away
+        await release()
 
 
 async def _merged(jobs: list[ActiveJob], keepalive: bool) -> AsyncIterator[tuple[int, Any]]:
@@ -161,15 +182,17 @@ async def _merged(jobs: list[ActiveJob], keepalive: bool) -> AsyncIterator[tuple
         async for item in jobs[0].outputs(keepalive):
             yield 0, item if isinstance(item, JobOutput) else SSE_KEEPALIVE
         return
-    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+    # Bounded, so a client that stops reading stops the pumps too: the per-job queues then grow
+    # and the write-stall watchdog sees it, as it does for a single choice.
+    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue(maxsize=64)
 
     async def pump(index: int, job: ActiveJob) -> None:
         try:
             async for item in job.outputs(keepalive):
-                queue.put_nowait((index, item if isinstance(item, JobOutput) else SSE_KEEPALIVE))
+                await queue.put((index, item if isinstance(item, JobOutput) else SSE_KEEPALIVE))
         except APIError as exc:
-            queue.put_nowait((index, exc))
-        queue.put_nowait((index, None))
+            await queue.put((index, exc))
+        await queue.put((index, None))
 
     pumps = [asyncio.create_task(pump(i, job)) for i, job in enumerate(jobs)]
     try:
