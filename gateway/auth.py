@@ -174,7 +174,7 @@ class Authenticator:
                 logger.info("%s %s refused: key %r is not an admin key", request.method, path, key.name)
                 raise PermissionDenied("this API key may not use the admin API")
             return
-        if not (path.startswith("/v1/") or rule.startswith("/v1/")):
+        if not any(p.startswith(MODEL_SCOPED_PREFIXES) for p in (path, rule)):
             return
         wait = self.retry_after(key)
         if wait > 0:
@@ -192,6 +192,10 @@ class Authenticator:
                 "%s %s refused: key %r may not use model %s", request.method, path, key.name, model.name
             )
             raise ModelNotFound(name or "")
+
+
+# Routes that name a model, so the key's model scope and rate limit apply to them.
+MODEL_SCOPED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
 
 
 def presented_key(headers: Headers) -> str | None:

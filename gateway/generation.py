@@ -148,6 +148,31 @@ class GenerationService:
             await job.close()
             raise
 
+    async def ask(
+        self, route: ModelRoute, build: Callable[[str], wire.Message], timeout_s: float
+    ) -> wire.Tokens:
+        """One request/reply exchange with a ready worker (tokenize, detokenize)."""
+        if self.draining:
+            raise ServiceUnavailable("the server is shutting down", code="shutting_down")
+        replica = route.any_ready()
+        stream = self.link.open_stream(uuid.uuid4().hex, replica.id)
+        try:
+            if not self.link.send(replica.id, build(stream.rid)):
+                raise WorkerFailed(f"the worker for model '{route.config.name}' is unreachable")
+            try:
+                reply = await asyncio.wait_for(stream.accepted, timeout_s)
+            except asyncio.TimeoutError:
+                raise RequestTimeout("the worker did not answer in time") from None
+        finally:
+            self.link.close_stream(stream.rid)
+        if isinstance(reply, wire.Rejected):
+            raise InvalidRequest(reply.message, code=reply.code, param=reply.param)
+        if isinstance(reply, StreamEnd):
+            raise _END_ERRORS.get(reply.status, ServiceUnavailable)(reply.message, code=reply.code)
+        if not isinstance(reply, wire.Tokens):
+            raise WorkerFailed("unexpected reply from the worker")
+        return reply
+
     def track_release(self, jobs: list[ActiveJob]) -> Callable[[], Awaitable[None]]:
         """An idempotent release for a streamed request, also run when its request task ends.
 

@@ -40,6 +40,15 @@ class ModelRoute:
             return None
         return min(candidates, key=lambda r: r.in_flight + int(r.stats.get("queued_jobs", 0)))
 
+    def any_ready(self) -> WorkerHandle:
+        """A ready replica for a quick side request (tokenize) that takes no generation slot."""
+        ready = [r for r in self.replicas if r.ready]
+        if not ready:
+            raise ServiceUnavailable(
+                self._unservable_reason() or f"model '{self.config.name}' is not ready yet"
+            )
+        return min(ready, key=lambda r: r.in_flight)
+
     def _unservable_reason(self) -> str | None:
         if all(r.state in ("failed", "stopped") for r in self.replicas):
             reasons = "; ".join(r.detail or r.last_error or r.state for r in self.replicas)

@@ -43,7 +43,7 @@ KEEPALIVE = object()  # queue item: nothing new, send an SSE comment
 class RequestStream:
     rid: str
     worker_id: str
-    accepted: asyncio.Future[wire.Accepted | wire.Rejected | StreamEnd]
+    accepted: asyncio.Future[wire.Accepted | wire.Rejected | wire.Tokens | StreamEnd]
     queue: asyncio.Queue[Any] = field(default_factory=asyncio.Queue)
     finished: bool = False
     last_activity: float = field(default_factory=time.monotonic)
@@ -85,6 +85,7 @@ class WorkerLink:
             wire.Step: self._on_step,
             wire.Accepted: self._on_reply,
             wire.Rejected: self._on_reply,
+            wire.Tokens: self._on_reply,
         }
 
     async def start(self) -> None:
@@ -165,7 +166,7 @@ class WorkerLink:
             except Exception:  # one bad message must not stop the reader for every request
                 logger.exception("error handling %s from worker %s", type(message).__name__, worker_id)
 
-    def _on_reply(self, worker_id: str, message: wire.Accepted | wire.Rejected) -> None:
+    def _on_reply(self, worker_id: str, message: wire.Accepted | wire.Rejected | wire.Tokens) -> None:
         stream = self._streams.get(message.rid)
         if stream is not None and not stream.accepted.done():
             stream.accepted.set_result(message)

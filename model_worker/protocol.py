@@ -72,6 +72,10 @@ class SamplingParams:
     # None: no logprobs. 0: logprob of the chosen token only. k > 0: also the top k alternatives.
     logprobs: int | None = None
     logit_bias: dict[int, float] = field(default_factory=dict)
+    # Structured output: json_object asks for any JSON object; json_schema (JSON text) for one
+    # matching that schema. Engines enforce it by constrained decoding.
+    json_object: bool = False
+    json_schema: str | None = None
 
     _SPEC: ClassVar[_Spec] = {
         "max_tokens": (int,),
@@ -90,6 +94,8 @@ class SamplingParams:
         "min_tokens": (int,),
         "logprobs": (int, None),
         "logit_bias": (dict,),
+        "json_object": (bool,),
+        "json_schema": (str, None),
     }
 
     def to_wire(self) -> dict[str, Any]:
@@ -147,6 +153,42 @@ class Generate(Message):
         "messages": (list, None),
         "params": (dict,),
     }
+
+
+@dataclass(frozen=True, slots=True)
+class Tokenize(Message):
+    """Tokenize a prompt, or chat messages rendered with the model's template; answered by Tokens."""
+
+    rid: str
+    prompt: str | None
+    messages: list[dict[str, Any]] | None
+    add_special_tokens: bool
+    TAG: ClassVar[str] = "tok"
+    SPEC: ClassVar[_Spec] = {
+        "rid": (str,),
+        "prompt": (str, None),
+        "messages": (list, None),
+        "add_special_tokens": (bool,),
+    }
+
+
+@dataclass(frozen=True, slots=True)
+class Detokenize(Message):
+    rid: str
+    token_ids: list[int]
+    TAG: ClassVar[str] = "detok"
+    SPEC: ClassVar[_Spec] = {"rid": (str,), "token_ids": (list,)}
+
+
+@dataclass(frozen=True, slots=True)
+class Tokens(Message):
+    """The answer to Tokenize or Detokenize: the ids and the text they stand for."""
+
+    rid: str
+    token_ids: list[int]
+    text: str
+    TAG: ClassVar[str] = "toks"
+    SPEC: ClassVar[_Spec] = {"rid": (str,), "token_ids": (list,), "text": (str,)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -275,8 +317,11 @@ class Fatal(Message):
 
 _MESSAGE_TYPES: dict[str, type[Message]] = {
     cls.TAG: cls
-    for cls in (Generate, Cancel, Shutdown, Hello, Status, Ready, Accepted, Rejected, Step, Heartbeat, Fatal)
-}
+    for cls in (
+        Generate, Tokenize, Detokenize, Cancel, Shutdown,
+        Hello, Status, Ready, Accepted, Rejected, Tokens, Step, Heartbeat, Fatal,
+    )
+}  # fmt: skip
 
 
 def encode(message: Message) -> bytes:

@@ -54,6 +54,8 @@ class Worker:
         self._handlers: dict[type[wire.Message], Callable[[Any], None]] = {
             wire.Generate: self._on_generate,
             wire.Cancel: self._on_cancel,
+            wire.Tokenize: self._on_tokenize,
+            wire.Detokenize: self._on_detokenize,
             wire.Shutdown: self._on_shutdown,
         }
 
@@ -207,21 +209,48 @@ class Worker:
         self._live_rids.add(msg.rid)
         self._send(wire.Accepted(msg.rid, prompt_tokens))
 
+    def _on_tokenize(self, msg: wire.Tokenize) -> None:
+        assert self.engine is not None
+        try:
+            if msg.messages is not None:
+                ids = self._render_chat(msg.messages)
+            else:
+                ids = self.engine.encode(msg.prompt or "", add_special_tokens=msg.add_special_tokens)
+        except RequestRejected as exc:
+            self._send(wire.Rejected(msg.rid, exc.code, exc.message, exc.param))
+            return
+        self._send(wire.Tokens(msg.rid, ids, ""))
+
+    def _on_detokenize(self, msg: wire.Detokenize) -> None:
+        assert self.engine is not None
+        vocab = int(self.engine.info().get("vocab_size") or 0)
+        bad = [t for t in msg.token_ids if not isinstance(t, int) or t < 0 or (vocab and t >= vocab)]
+        if bad:
+            self._send(
+                wire.Rejected(msg.rid, "invalid_tokens", f"token ids out of range: {bad[:5]}", "tokens")
+            )
+            return
+        self._send(wire.Tokens(msg.rid, list(msg.token_ids), self.engine.decode(list(msg.token_ids))))
+
+    def _render_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        assert self.engine is not None
+        if self.chat_template is None:
+            raise RequestRejected(
+                "chat_template_missing",
+                "this model has no chat template; use /v1/completions or set one in models.yaml",
+                "messages",
+            )
+        try:
+            text = self.chat_template.render(messages, add_generation_prompt=True)
+        except TemplateError as exc:
+            raise RequestRejected("invalid_messages", str(exc), "messages") from None
+        # The template already holds bos and other special tokens.
+        return self.engine.encode(text, add_special_tokens=False)
+
     def _prompt_ids(self, msg: wire.Generate) -> list[int]:
         assert self.engine is not None
         if msg.messages is not None:
-            if self.chat_template is None:
-                raise RequestRejected(
-                    "chat_template_missing",
-                    "this model has no chat template; use /v1/completions or set one in models.yaml",
-                    "messages",
-                )
-            try:
-                text = self.chat_template.render(msg.messages, add_generation_prompt=True)
-            except TemplateError as exc:
-                raise RequestRejected("invalid_messages", str(exc), "messages") from None
-            # The template already holds bos and other special tokens.
-            return self.engine.encode(text, add_special_tokens=False)
+            return self._render_chat(msg.messages)
         if msg.prompt_token_ids is not None:
             if not all(isinstance(t, int) and not isinstance(t, bool) for t in msg.prompt_token_ids):
                 raise RequestRejected("invalid_prompt", "prompt token ids must be integers", "prompt")

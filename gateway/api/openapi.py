@@ -66,8 +66,15 @@ def _get(summary: str, parameters: list[dict[str, Any]] | None = None) -> dict[s
 
 
 def build_openapi() -> dict[str, Any]:
+    from gateway.api.tokenize import DetokenizeRequest, TokenizeRequest
+
     _, schemas = models_json_schema(
-        [(ChatCompletionRequest, "validation"), (CompletionRequest, "validation")],
+        [
+            (ChatCompletionRequest, "validation"),
+            (CompletionRequest, "validation"),
+            (TokenizeRequest, "validation"),
+            (DetokenizeRequest, "validation"),
+        ],
         ref_template="#/components/schemas/{model}",
     )
     components = dict(schemas.get("$defs", {}))
@@ -81,6 +88,8 @@ def build_openapi() -> dict[str, Any]:
             "/v1/models/{model_id}": _get("one model", [model_id]),
             "/v1/completions": _post("CompletionRequest", "text completion"),
             "/v1/chat/completions": _post("ChatCompletionRequest", "chat completion"),
+            "/tokenize": _post("TokenizeRequest", "token ids of a prompt or of rendered chat messages"),
+            "/detokenize": _post("DetokenizeRequest", "text of token ids"),
             "/health/live": _get("liveness"),
             "/health/ready": _get("readiness"),
             "/admin/workers": _get("workers"),

@@ -133,6 +133,7 @@ class TransformersEngine:
             "max_batch_size": self.settings.max_batch_size,
             "max_chunk_size": self.settings.max_chunk_size,
             "paged": False,
+            "vocab_size": self._vocab_size,
             "devices": devices,
             "dtype": str(self._model.dtype).removeprefix("torch.") if self._model is not None else "",
         }
