@@ -15,7 +15,7 @@ from typing import Any
 from quart import Quart, jsonify
 from werkzeug.exceptions import HTTPException
 
-from gateway.api import health, openai, openapi, tokenize
+from gateway.api import admin, health, openai, openapi, tokenize
 from gateway.api import metrics as metrics_api
 from gateway.auth import Authenticator
 from gateway.config import Registry
@@ -57,6 +57,7 @@ def create_app(registry: Registry) -> Quart:
     app.register_blueprint(health.blueprint)
     app.register_blueprint(openapi.blueprint)
     app.register_blueprint(tokenize.blueprint)
+    app.register_blueprint(admin.blueprint)
     app.register_blueprint(metrics_api.blueprint)
 
     @app.before_serving

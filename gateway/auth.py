@@ -129,6 +129,19 @@ class Authenticator:
         self._file_keys = file_keys
         logger.info("keys file %s reloaded: %d key(s)", self.path, len(file_keys))
 
+    def use_registry(self, registry: Registry) -> None:
+        """After a reload: scope checks must see the new models (an unknown name skips the check)."""
+        self.registry = registry
+        if self.path is None:
+            return
+        try:
+            file_keys = parse_keys_file(self.path, registry)
+            self._install(file_keys)
+        except ConfigError as exc:
+            logger.error("keys file does not fit the reloaded registry; keeping the previous keys: %s", exc)
+            return
+        self._file_keys = file_keys
+
     def lookup(self, presented: str) -> ApiKey | None:
         digest = digest_of(presented)
         found = None

@@ -59,6 +59,14 @@ class ModelConfig(_Strict):
     defaults: SamplingDefaults = Field(default_factory=SamplingDefaults)
     limits: ModelLimits = Field(default_factory=ModelLimits)
     chat_template: str | None = Field(None, description="Inline Jinja template or a path to a file.")
+    load: Literal["startup", "on_demand"] = Field(
+        "startup", description="on_demand: loaded at its first request, which waits (within its deadline)."
+    )
+    idle_unload_s: float | None = Field(
+        None,
+        gt=0,
+        description="Unload after this long without requests (the worker exits, its VRAM is free).",
+    )
     # Engine settings (exllamav2 uses all; transformers uses max_batch_size, max_chunk_size, dtype, threads).
     max_batch_size: int = Field(8, ge=1)
     max_chunk_size: int = Field(2048, ge=16)

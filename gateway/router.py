@@ -11,16 +11,20 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+from collections.abc import Callable
 
 from gateway.config import ModelConfig, Registry
 from gateway.errors import ModelNotFound, QueueFull, RequestTimeout, ServiceUnavailable
 from gateway.supervisor import WorkerHandle
 
+Launcher = Callable[[WorkerHandle], None]
+
 
 class ModelRoute:
-    def __init__(self, config: ModelConfig, replicas: list[WorkerHandle]) -> None:
+    def __init__(self, config: ModelConfig, replicas: list[WorkerHandle], launch: Launcher) -> None:
         self.config = config
         self.replicas = replicas
+        self._launch = launch
         self.waiting = 0
         self.waiting_prompt_tokens = 0
         self._changed = asyncio.Condition()
@@ -28,7 +32,16 @@ class ModelRoute:
     @property
     def state(self) -> str:
         states = {r.state for r in self.replicas}
-        for state in ("ready", "warming", "loading", "starting", "restarting", "draining", "failed"):
+        for state in (
+            "ready",
+            "warming",
+            "loading",
+            "starting",
+            "restarting",
+            "draining",
+            "unloaded",
+            "failed",
+        ):
             if state in states:
                 return state
         return "stopped"
@@ -50,6 +63,13 @@ class ModelRoute:
         return min(ready, key=lambda r: r.in_flight)
 
     def _unservable_reason(self) -> str | None:
+        if self.replicas and all(r.state == "unloaded" for r in self.replicas):
+            if self.config.load == "on_demand":
+                for replica in self.replicas:
+                    self._launch(replica)  # the request waits in the queue while it loads
+                return None
+            name = self.config.name
+            return f"model '{name}' is unloaded; load it with POST /admin/models/{name}/load"
         if all(r.state in ("failed", "stopped") for r in self.replicas):
             reasons = "; ".join(r.detail or r.last_error or r.state for r in self.replicas)
             return f"model '{self.config.name}' is unavailable: {reasons}"
@@ -74,6 +94,7 @@ class ModelRoute:
                 )
             replica = await self._wait_for_replica(deadline, prompt_size)
         replica.in_flight += 1
+        replica.last_used = time.monotonic()
         return replica
 
     async def _wait_for_replica(self, deadline: float, prompt_size: int) -> WorkerHandle:
@@ -101,6 +122,7 @@ class ModelRoute:
 
     def release(self, replica: WorkerHandle) -> None:
         replica.in_flight = max(replica.in_flight - 1, 0)
+        replica.last_used = time.monotonic()
         self.notify()
 
     def notify(self) -> None:
@@ -112,14 +134,38 @@ class ModelRoute:
 
 
 class Router:
-    def __init__(self, registry: Registry, workers: list[WorkerHandle]) -> None:
+    def __init__(self, registry: Registry, workers: list[WorkerHandle], launch: Launcher) -> None:
         self.routes: dict[str, ModelRoute] = {}
         self._by_name: dict[str, ModelRoute] = {}
+        self._launch = launch
         for model in registry.models:
-            route = ModelRoute(model, [w for w in workers if w.model.name == model.name])
-            self.routes[model.name] = route
-            for name in (model.name, *model.aliases):
+            self.routes[model.name] = ModelRoute(
+                model, [w for w in workers if w.model.name == model.name], launch
+            )
+        self._index_names()
+
+    def _index_names(self) -> None:
+        self._by_name = {}
+        for route in self.routes.values():
+            for name in (route.config.name, *route.config.aliases):
                 self._by_name[name] = route
+
+    def set_route(self, config: ModelConfig, replicas: list[WorkerHandle]) -> ModelRoute:
+        """Add a model, or give an existing one a new config and replicas (its queue is kept)."""
+        route = self.routes.get(config.name)
+        if route is None:
+            route = self.routes[config.name] = ModelRoute(config, replicas, self._launch)
+        else:
+            route.config, route.replicas = config, replicas
+            route.notify()
+        self._index_names()
+        return route
+
+    def drop_route(self, name: str) -> None:
+        route = self.routes.pop(name, None)
+        self._index_names()
+        if route is not None:
+            route.notify()
 
     def route(self, model_name: str) -> ModelRoute:
         route = self._by_name.get(model_name)

@@ -15,8 +15,9 @@ import time
 from hypercorn.asyncio import serve
 from hypercorn.config import Config as HypercornConfig
 
+from gateway.api.admin import reload_registry
 from gateway.app import create_app
-from gateway.config import Registry
+from gateway.config import ConfigError, Registry
 from gateway.state import Gateway
 from gateway.worker_link import StreamEnd
 from model_worker import protocol as wire
@@ -57,6 +58,20 @@ async def run_server(registry: Registry, host: str, port: int) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    reloads: set[asyncio.Task[None]] = set()
+
+    async def reload_on_signal() -> None:
+        try:
+            await reload_registry(app)
+        except ConfigError as exc:
+            logger.error("SIGHUP reload refused; the running models are unchanged: %s", exc)
+
+    def on_sighup() -> None:
+        task = loop.create_task(reload_on_signal())
+        reloads.add(task)
+        task.add_done_callback(reloads.discard)
+
+    loop.add_signal_handler(signal.SIGHUP, on_sighup)
 
     async def shutdown_trigger() -> None:
         await stop.wait()

@@ -6,6 +6,8 @@ Runs in the gateway process. Owns the wiring between those parts; routes reach i
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +20,8 @@ from gateway.generation import GenerationService
 from gateway.router import Router
 from gateway.supervisor import Supervisor
 from gateway.worker_link import WorkerLink
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
@@ -42,12 +46,49 @@ class Gateway:
             registry, link, lambda worker: router_ref and router_ref[0].on_worker_state(worker)
         )
         supervisor_ref.append(supervisor)
-        router = Router(registry, list(supervisor.workers.values()))
+        router = Router(registry, list(supervisor.workers.values()), supervisor.launch)
         router_ref.append(router)
         service = GenerationService(
             link, registry.server.sse_keepalive_s, registry.server.write_stall_timeout_s
         )
         return cls(registry, runtime_dir, link, supervisor, router, service)
+
+    async def apply_registry(self, new: Registry) -> dict[str, list[str]]:
+        """Move the running set to `new`: start added models, drain and stop removed ones,
+        restart changed ones, leave unchanged ones untouched (their requests never notice)."""
+        old = {m.name: m for m in self.registry.models}
+        wanted = {m.name: m for m in new.models}
+        if new.server != self.registry.server:
+            logger.warning("the server section changed; those settings apply after a restart")
+        changes: dict[str, list[str]] = {
+            "added": sorted(wanted.keys() - old.keys()),
+            "removed": sorted(old.keys() - wanted.keys()),
+            "changed": sorted(n for n in old.keys() & wanted.keys() if old[n] != wanted[n]),
+        }
+        changes["unchanged"] = sorted(old.keys() & wanted.keys() - set(changes["changed"]))
+        grace = self.registry.server.shutdown_grace_s
+        retiring = []
+        for name in changes["removed"] + changes["changed"]:
+            retiring += [h for h in self.supervisor.workers.values() if h.model.name == name]
+        self.registry = self.registry.model_copy(update={"models": new.models})
+        self.supervisor.registry = self.registry
+        for name in changes["removed"]:
+            self.router.drop_route(name)
+        fresh = []
+        for name in changes["added"] + changes["changed"]:
+            handle = self.supervisor.add(wanted[name])
+            self.router.set_route(wanted[name], [handle])
+            fresh.append(handle)
+        # Old workers leave first, so a changed model never holds its GPU twice; requests for it
+        # wait in its queue meanwhile, as they do at startup.
+        await asyncio.gather(*(self.supervisor.retire(h, grace, "stopped") for h in retiring))
+        for handle in retiring:
+            self.supervisor.remove(handle)
+        for handle in fresh:
+            if handle.model.load == "startup":
+                self.supervisor.launch(handle)
+        logger.info("registry applied: %s", {k: v for k, v in changes.items() if k != "unchanged"})
+        return changes
 
     def model_card(self, name: str) -> dict[str, Any]:
         route = self.router.routes[name]

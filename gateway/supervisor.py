@@ -45,7 +45,10 @@ class WorkerHandle:
     spawned_at: float = 0.0
     ready_at: float | None = None
     in_flight: int = 0
+    last_used: float = field(default_factory=time.monotonic)
     process: asyncio.subprocess.Process | None = None
+    task: asyncio.Task[None] | None = None
+    retiring: bool = False  # being unloaded or replaced: no restart when it exits
 
     @property
     def ready(self) -> bool:
@@ -82,20 +85,63 @@ class Supervisor:
         self.link = link
         self._on_state = on_state
         self.workers: dict[str, WorkerHandle] = {}
-        self._tasks: list[asyncio.Task[None]] = []
+        self._generations: dict[str, int] = {}
         self._stopping = False
+        self._idle_task: asyncio.Task[None] | None = None
+        self._background: set[asyncio.Task[None]] = set()
         for model in registry.models:
-            handle = WorkerHandle(id=f"{model.name}#0", model=model)
-            self.workers[handle.id] = handle
+            self.add(model)
 
     # ---- public ------------------------------------------------------------------------------
 
+    def add(self, model: ModelConfig) -> WorkerHandle:
+        """A handle for a model; ids change per generation so a draining predecessor never clashes."""
+        generation = self._generations.get(model.name, -1) + 1
+        self._generations[model.name] = generation
+        handle = WorkerHandle(id=f"{model.name}#{generation}", model=model)
+        if model.load == "on_demand":
+            handle.state, handle.detail = "unloaded", "loads at its first request"
+        self.workers[handle.id] = handle
+        return handle
+
     def start(self) -> None:
         for handle in self.workers.values():
-            self._tasks.append(asyncio.create_task(self._keep_running(handle), name=f"supervise:{handle.id}"))
+            if handle.model.load == "startup":
+                self.launch(handle)
+        self._idle_task = asyncio.create_task(self._unload_idle_forever(), name="idle-unloader")
+
+    def launch(self, handle: WorkerHandle) -> None:
+        """Start (or restart after an unload) the worker of a handle; idempotent while it runs."""
+        if self._stopping or (handle.task is not None and not handle.task.done()):
+            return
+        handle.retiring, handle.consecutive_failures = False, 0
+        handle.last_used = time.monotonic()
+        handle.task = asyncio.create_task(self._keep_running(handle), name=f"supervise:{handle.id}")
+
+    async def retire(self, handle: WorkerHandle, grace_s: float, final_state: str = "unloaded") -> None:
+        """Drain (requests in flight may finish within grace_s), stop the worker, free its GPU."""
+        handle.retiring = True
+        if handle.state not in ("unloaded", "stopped"):
+            self._set_state(handle, "draining", "unloading")
+        deadline = time.monotonic() + grace_s
+        while handle.in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if handle.process and handle.process.returncode is None:
+            self.link.send(handle.id, wire.Shutdown(max(deadline - time.monotonic(), 0.0)))
+            await self._reap(handle, max(deadline - time.monotonic(), 0.0) + 5.0)
+        if handle.task is not None:
+            handle.task.cancel()
+            await asyncio.gather(handle.task, return_exceptions=True)
+        handle.pid, handle.stats, handle.ready_at = None, {}, None
+        self._set_state(handle, final_state, "")
+
+    def remove(self, handle: WorkerHandle) -> None:
+        self.workers.pop(handle.id, None)
 
     async def stop(self, grace_s: float) -> None:
         self._stopping = True
+        if self._idle_task is not None:
+            self._idle_task.cancel()
         for handle in self.workers.values():
             if handle.process and handle.process.returncode is None:
                 self._set_state(handle, "draining", "shutting down")
@@ -104,9 +150,23 @@ class Supervisor:
         for handle in self.workers.values():
             await self._reap(handle, max(deadline - time.monotonic(), 0.1))
             self._set_state(handle, "stopped", "")
-        for task in self._tasks:
+        tasks = [h.task for h in self.workers.values() if h.task is not None]
+        tasks += [t for t in (self._idle_task, *self._background) if t is not None]
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _unload_idle_forever(self) -> None:
+        while True:
+            await asyncio.sleep(0.5)
+            now = time.monotonic()
+            for handle in list(self.workers.values()):
+                idle_s = handle.model.idle_unload_s
+                if idle_s and handle.ready and not handle.in_flight and now - handle.last_used >= idle_s:
+                    logger.info("worker %s idle for %.0fs; unloading", handle.id, now - handle.last_used)
+                    task = asyncio.create_task(self.retire(handle, 0.0))
+                    self._background.add(task)
+                    task.add_done_callback(self._background.discard)
 
     def mark_draining(self) -> None:
         """Shutdown has begun: nothing new is routed; in-flight jobs keep their worker."""
@@ -126,10 +186,10 @@ class Supervisor:
             if message.state in ("loading", "warming"):
                 self._set_state(handle, message.state, message.detail)
         elif isinstance(message, wire.Ready):
-            if self._stopping or handle.state == "draining":
+            if self._stopping or handle.retiring or handle.state == "draining":
                 return
             handle.info = message.info
-            handle.ready_at = time.monotonic()
+            handle.ready_at = handle.last_used = time.monotonic()
             handle.detail, handle.progress = "", None
             self._set_state(handle, "ready", "")
             logger.info("worker %s ready (model %s, pid %s)", handle.id, handle.model.name, handle.pid)
@@ -148,12 +208,12 @@ class Supervisor:
     async def _keep_running(self, handle: WorkerHandle) -> None:
         server = self.registry.server
         backoff = server.restart_backoff_s
-        while not self._stopping:
+        while not (self._stopping or handle.retiring):
             await self._spawn(handle)
             exit_reason = await self._watch(handle)
             reason = f"{handle.last_error} ({exit_reason})" if handle.last_error else exit_reason
             self._fail_requests(handle, reason)
-            if self._stopping:
+            if self._stopping or handle.retiring:
                 return
             # A crash loop is a worker that cannot get to ready; one that served and then died is
             # restarted, with a backoff that resets once it has stayed up for a while.

@@ -27,13 +27,18 @@ async def ready() -> Any:
     for name, route in gateway.router.routes.items():
         models[name] = {
             "state": route.state,
+            "load": route.config.load,
             "ready": any(r.ready for r in route.replicas),
             "replicas": [
                 {"id": r.id, "state": r.state, "detail": r.detail, "last_error": r.last_error}
                 for r in route.replicas
             ],
         }
-    all_ready = all(m["ready"] for m in models.values()) and not gateway.service.draining
+    # An on-demand model that is not loaded yet is as it should be: it loads at its first request.
+    all_ready = not gateway.service.draining and all(
+        m["ready"] or (gateway.router.routes[name].config.load == "on_demand" and m["state"] != "failed")
+        for name, m in models.items()
+    )
     status = "ready" if all_ready else ("draining" if gateway.service.draining else "not_ready")
     return jsonify({"status": status, "models": models}), (200 if all_ready else 503)
 

@@ -1,0 +1,154 @@
+"""Operators change the running set: reload models.yaml (HTTP and SIGHUP), load/unload, on-demand."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.harness import GatewayProcess, pid_alive
+from tests.integration.conftest import demo_entry, write_registry
+
+
+def workers_of(gateway: GatewayProcess, model: str) -> list[dict[str, object]]:
+    return [w for w in gateway.workers() if w["model"] == model]
+
+
+def wait_state(gateway: GatewayProcess, model: str, state: str, timeout: float = 60) -> dict[str, object]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = workers_of(gateway, model)
+        if found and found[0]["state"] == state:
+            return found[0]
+        time.sleep(0.1)
+    raise AssertionError(f"{model} never {state}: {workers_of(gateway, model)}")
+
+
+def complete(gateway: GatewayProcess, model: str, **extra: object) -> httpx.Response:
+    body = {"model": model, "prompt": "hello", "max_tokens": 4, **extra}
+    return httpx.post(gateway.url + "/v1/completions", json=body, timeout=60)
+
+
+@pytest.fixture()
+def setup(tmp_path: Path, demo_model_dir: Path) -> Iterator[tuple[GatewayProcess, Path, Path]]:
+    config = tmp_path / "models.yaml"
+    write_registry(
+        config, [demo_entry("keep", demo_model_dir), demo_entry("change", demo_model_dir)], shutdown_grace_s=5
+    )
+    with GatewayProcess(config) as gateway:
+        yield gateway, config, demo_model_dir
+
+
+def test_reload_applies_the_difference_without_dropping_requests(
+    setup: tuple[GatewayProcess, Path, Path],
+) -> None:
+    gateway, config, model_dir = setup
+    keep_pid = workers_of(gateway, "keep")[0]["pid"]
+    change_pid = workers_of(gateway, "change")[0]["pid"]
+    # A long request on the unchanged model runs across the reload.
+    result: dict[str, object] = {}
+
+    def long_request() -> None:
+        result["reply"] = complete(gateway, "keep", max_tokens=300, ignore_eos=True, temperature=0)
+
+    runner = threading.Thread(target=long_request)
+    runner.start()
+    write_registry(
+        config,
+        [
+            demo_entry("keep", model_dir),
+            demo_entry("change", model_dir, max_seq_len=1024),
+            demo_entry("added", model_dir, aliases=["new"]),
+        ],
+        shutdown_grace_s=5,
+    )
+    reply = httpx.post(gateway.url + "/admin/reload", timeout=60)
+    assert reply.status_code == 200, reply.text
+    body = reply.json()
+    assert body["added"] == ["added"] and body["changed"] == ["change"] and body["unchanged"] == ["keep"]
+    wait_state(gateway, "added", "ready")
+    changed = wait_state(gateway, "change", "ready")
+    assert changed["pid"] != change_pid and changed["info"]["max_seq_len"] == 1024  # type: ignore[index]
+    assert not pid_alive(int(change_pid))  # type: ignore[arg-type]
+    runner.join(60)
+    assert result["reply"].status_code == 200  # type: ignore[attr-defined]
+    assert result["reply"].json()["usage"]["completion_tokens"] == 300  # type: ignore[attr-defined]
+    assert workers_of(gateway, "keep")[0]["pid"] == keep_pid  # untouched
+    assert complete(gateway, "new").status_code == 200
+
+    # Removing a model drains and stops it; SIGHUP does the same as the HTTP call.
+    write_registry(config, [demo_entry("keep", model_dir)], shutdown_grace_s=5)
+    added_pid = workers_of(gateway, "added")[0]["pid"]
+    gateway.process.send_signal(signal.SIGHUP)  # type: ignore[union-attr]
+    deadline = time.monotonic() + 30
+    while workers_of(gateway, "added") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not workers_of(gateway, "added") and not pid_alive(int(added_pid))  # type: ignore[arg-type]
+    assert complete(gateway, "added").status_code == 404
+    assert workers_of(gateway, "keep")[0]["pid"] == keep_pid
+
+
+def test_invalid_reload_changes_nothing(setup: tuple[GatewayProcess, Path, Path]) -> None:
+    gateway, config, _ = setup
+    before = {w["model"]: w["pid"] for w in gateway.workers()}
+    config.write_text("models:\n  - {name: broken, engine: transformers, path: x, max_batch_size: 0}\n")
+    reply = httpx.post(gateway.url + "/admin/reload", timeout=30)
+    assert reply.status_code == 400
+    error = reply.json()["error"]
+    assert error["code"] == "invalid_config" and "model 'broken'" in error["message"]
+    assert {w["model"]: w["pid"] for w in gateway.workers()} == before
+    assert complete(gateway, "keep").status_code == 200
+
+
+def test_unload_then_load(setup: tuple[GatewayProcess, Path, Path]) -> None:
+    gateway, _, _ = setup
+    pid = workers_of(gateway, "change")[0]["pid"]
+    reply = httpx.post(gateway.url + "/admin/models/change/unload", timeout=30)
+    assert reply.status_code == 200 and reply.json()["workers"][0]["state"] == "unloaded"
+    assert not pid_alive(int(pid))  # type: ignore[arg-type]
+    refused = complete(gateway, "change")
+    assert refused.status_code == 503 and "/admin/models/change/load" in refused.json()["error"]["message"]
+    ready = httpx.get(gateway.url + "/health/ready", timeout=5)
+    assert ready.status_code == 503 and ready.json()["models"]["change"]["state"] == "unloaded"
+    assert httpx.post(gateway.url + "/admin/models/change/load", timeout=30).status_code == 202
+    wait_state(gateway, "change", "ready")
+    assert complete(gateway, "change").status_code == 200
+
+
+def test_on_demand_model_loads_at_first_request_and_unloads_when_idle(
+    tmp_path: Path, demo_model_dir: Path
+) -> None:
+    config = write_registry(
+        tmp_path / "models.yaml",
+        [demo_entry("lazy", demo_model_dir, load="on_demand", idle_unload_s=2)],
+    )
+    with GatewayProcess(config) as gateway:  # ready at once: an on-demand model need not be loaded
+        assert workers_of(gateway, "lazy")[0]["state"] == "unloaded"
+        assert workers_of(gateway, "lazy")[0]["pid"] is None
+        states: list[str] = []
+
+        def watch() -> None:
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                state = str(workers_of(gateway, "lazy")[0]["state"])
+                if not states or states[-1] != state:
+                    states.append(state)
+                if state == "ready":
+                    return
+                time.sleep(0.05)
+
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+        reply = complete(gateway, "lazy")  # waits while the model loads
+        watcher.join()
+        assert reply.status_code == 200
+        assert "loading" in states and states[-1] == "ready", states
+        pid = int(workers_of(gateway, "lazy")[0]["pid"])  # type: ignore[arg-type]
+        wait_state(gateway, "lazy", "unloaded", timeout=15)  # idle for 2 s
+        assert not pid_alive(pid)
+        assert complete(gateway, "lazy").status_code == 200  # and back again
