@@ -15,7 +15,8 @@ import sys
 from pathlib import Path
 
 from gateway.api_keys import check_bind_allowed, keys_file_path, parse_keys_file
-from gateway.config import ConfigError, load_registry
+from gateway.config import ConfigError, Registry, load_registry
+from gateway.placement import check_placement, discover_gpus
 
 DEFAULT_CONFIG = "config/models.yaml"
 
@@ -25,10 +26,21 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     host = args.host or os.environ.get("HOST") or registry.server.host
     port = int(args.port if args.port is not None else os.environ.get("PORT") or registry.server.port)
     check_bind_allowed(registry, host, os.environ)  # no keys: loopback only
+    _check_placement(registry)
     from gateway.server import run_server
 
     asyncio.run(run_server(registry, host, port))
     return 0
+
+
+def _check_placement(registry: Registry) -> None:
+    if not any(model.gpus for model in registry.models):
+        return  # CPU-only registry: nothing to place
+    errors, warnings = check_placement(registry, discover_gpus())
+    for warning in warnings:
+        logging.getLogger("gateway.placement").warning("%s", warning)
+    if errors:
+        raise ConfigError(f"{registry.source}: " + f"\n{registry.source}: ".join(errors))
 
 
 def _cmd_check_config(args: argparse.Namespace) -> int:
