@@ -55,6 +55,10 @@ class ModelConfig(_Strict):
     path: Path = Field(..., description="Model folder (HF layout); relative to the registry file.")
     gpus: list[int] = Field(default_factory=list, description="GPU indices; empty means CPU.")
     max_seq_len: int = Field(4096, ge=16)
+    replicas: int = Field(1, ge=1, le=64, description="Worker processes serving this model.")
+    replica_gpus: list[list[int]] | None = Field(
+        None, description="GPU indices per replica, e.g. [[0], [1]]; default: every replica uses gpus."
+    )
     aliases: list[str] = Field(default_factory=list)
     defaults: SamplingDefaults = Field(default_factory=SamplingDefaults)
     limits: ModelLimits = Field(default_factory=ModelLimits)
@@ -95,11 +99,21 @@ class ModelConfig(_Strict):
             raise ValueError("GPU indices must be distinct and non-negative")
         return gpus
 
+    def gpus_of_replica(self, replica: int) -> list[int]:
+        return list(self.replica_gpus[replica]) if self.replica_gpus else list(self.gpus)
+
     @model_validator(mode="after")
     def _split_matches_gpus(self) -> ModelConfig:
-        if self.gpu_split is not None and len(self.gpu_split) != len(self.gpus):
-            raise ValueError("gpu_split needs one entry per GPU in gpus")
-        if self.engine == "exllamav2" and not self.gpus:
+        if self.replica_gpus is not None:
+            if len(self.replica_gpus) != self.replicas:
+                raise ValueError(f"replica_gpus needs one GPU list per replica ({self.replicas})")
+            if any(not gpus for gpus in self.replica_gpus):
+                raise ValueError("every replica in replica_gpus needs at least one GPU")
+        if self.gpu_split is not None and any(
+            len(self.gpu_split) != len(self.gpus_of_replica(r)) for r in range(self.replicas)
+        ):
+            raise ValueError("gpu_split needs one entry per GPU of each replica")
+        if self.engine == "exllamav2" and not all(self.gpus_of_replica(r) for r in range(self.replicas)):
             raise ValueError("the exllamav2 engine needs at least one GPU in gpus")
         return self
 

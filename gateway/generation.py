@@ -27,10 +27,20 @@ _REJECTION_STATUS = {"service_unavailable": ServiceUnavailable}
 _END_ERRORS: dict[int, type[APIError]] = {408: RequestTimeout, 503: WorkerFailed}
 
 
+class _NotStarted(Exception):
+    """A replica failed before accepting the job: safe to try another replica."""
+
+    def __init__(self, replica_id: str, error: APIError) -> None:
+        super().__init__(error.message)
+        self.replica_id = replica_id
+        self.error = error
+
+
 class ActiveJob:
     def __init__(
-        self, link: WorkerLink, route: ModelRoute, replica: WorkerHandle, stream: RequestStream
+        self, link: WorkerLink, route: ModelRoute, replica: WorkerHandle, stream: RequestStream, work: int = 0
     ) -> None:
+        self.work = work
         self.link = link
         self.route = route
         self.replica = replica
@@ -84,7 +94,7 @@ class ActiveJob:
         if not self.done:
             self.link.send(self.replica.id, wire.Cancel(self.rid))
         self.link.close_stream(self.rid)
-        self.route.release(self.replica)
+        self.route.release(self.replica, self.work)
 
 
 class GenerationService:
@@ -117,19 +127,41 @@ class GenerationService:
     ) -> ActiveJob:
         if self.draining:
             raise ServiceUnavailable("the server is shutting down", code="shutting_down")
-        size = (
-            len(prompt or "") // 4
-            + len(prompt_token_ids or [])
-            + sum(len(m["content"]) for m in messages or []) // 4
-        )
-        replica = await route.acquire(deadline, size)
+        chars = len(prompt or "") + sum(len(m["content"]) for m in messages or [])
+        size = chars // 4 + len(prompt_token_ids or [])
+        generate = (prompt, prompt_token_ids, messages, params.to_wire())
+        avoid: frozenset[str] = frozenset()
+        while True:
+            try:
+                return await self._submit_once(
+                    route, generate, deadline, size, size + params.max_tokens, avoid
+                )
+            except _NotStarted as failure:
+                # The replica died before it took the job: nothing ran, so another replica may.
+                avoid |= {failure.replica_id}
+                if not any(
+                    r.id not in avoid and r.state not in ("failed", "stopped") for r in route.replicas
+                ):
+                    raise failure.error from None
+                logger.info("replica %s failed before starting a job; trying another", failure.replica_id)
+
+    async def _submit_once(
+        self,
+        route: ModelRoute,
+        generate: tuple[Any, ...],
+        deadline: float,
+        size: int,
+        work: int,
+        avoid: frozenset[str],
+    ) -> ActiveJob:
+        replica = await route.acquire(deadline, size, work, avoid)
         stream = self.link.open_stream(uuid.uuid4().hex, replica.id)
-        job = ActiveJob(self.link, route, replica, stream)
+        job = ActiveJob(self.link, route, replica, stream, work)
         stream.on_abandon = job.close
         try:
-            generate = wire.Generate(job.rid, prompt, prompt_token_ids, messages, params.to_wire())
-            if not self.link.send(replica.id, generate):
-                raise WorkerFailed(f"the worker for model '{route.config.name}' is unreachable")
+            if not self.link.send(replica.id, wire.Generate(job.rid, *generate)):
+                unreachable = WorkerFailed(f"the worker for model '{route.config.name}' is unreachable")
+                raise _NotStarted(replica.id, unreachable)
             try:
                 reply = await asyncio.wait_for(stream.accepted, max(deadline - time.monotonic(), 0.001))
             except asyncio.TimeoutError:
@@ -140,7 +172,10 @@ class GenerationService:
                 raise error_class(reply.message, code=reply.code, param=reply.param)
             if isinstance(reply, StreamEnd):
                 job.done = True
-                raise _END_ERRORS.get(reply.status, ServiceUnavailable)(reply.message, code=reply.code)
+                error = _END_ERRORS.get(reply.status, ServiceUnavailable)(reply.message, code=reply.code)
+                raise _NotStarted(replica.id, error) if reply.code == "worker_failed" else error
+            if not isinstance(reply, wire.Accepted):
+                raise WorkerFailed("unexpected reply from the worker")
             job.prompt_tokens = reply.prompt_tokens
             job.arm_deadline(deadline)
             return job

@@ -46,12 +46,14 @@ class ModelRoute:
                 return state
         return "stopped"
 
-    def _free_replica(self) -> WorkerHandle | None:
+    def _free_replica(self, avoid: frozenset[str] = frozenset()) -> WorkerHandle | None:
         limit = self.config.limits.max_concurrent_jobs
-        candidates = [r for r in self.replicas if r.ready and r.in_flight < limit]
+        candidates = [r for r in self.replicas if r.ready and r.in_flight < limit and r.id not in avoid]
         if not candidates:
             return None
-        return min(candidates, key=lambda r: r.in_flight + int(r.stats.get("queued_jobs", 0)))
+        # Least outstanding work first: tokens still to process (prompt + completion budget) of
+        # the requests it holds, then the count of requests as a tie-break.
+        return min(candidates, key=lambda r: (r.outstanding_tokens, r.in_flight, r.replica))
 
     def any_ready(self) -> WorkerHandle:
         """A ready replica for a quick side request (tokenize) that takes no generation slot."""
@@ -75,9 +77,11 @@ class ModelRoute:
             return f"model '{self.config.name}' is unavailable: {reasons}"
         return None
 
-    async def acquire(self, deadline: float, prompt_size: int = 0) -> WorkerHandle:
+    async def acquire(
+        self, deadline: float, prompt_size: int = 0, work: int = 0, avoid: frozenset[str] = frozenset()
+    ) -> WorkerHandle:
         """Take a slot on a replica, waiting in the bounded queue until `deadline` (monotonic)."""
-        replica = self._free_replica()
+        replica = self._free_replica(avoid)
         if replica is None:
             reason = self._unservable_reason()
             if reason:
@@ -92,18 +96,21 @@ class ModelRoute:
                     f"model '{self.config.name}' is at capacity ({self.waiting} queued); retry later",
                     headers={"Retry-After": "1"},
                 )
-            replica = await self._wait_for_replica(deadline, prompt_size)
+            replica = await self._wait_for_replica(deadline, prompt_size, avoid)
         replica.in_flight += 1
+        replica.outstanding_tokens += work
         replica.last_used = time.monotonic()
         return replica
 
-    async def _wait_for_replica(self, deadline: float, prompt_size: int) -> WorkerHandle:
+    async def _wait_for_replica(
+        self, deadline: float, prompt_size: int, avoid: frozenset[str]
+    ) -> WorkerHandle:
         self.waiting += 1
         self.waiting_prompt_tokens += prompt_size
         try:
             async with self._changed:
                 while True:
-                    replica = self._free_replica()
+                    replica = self._free_replica(avoid)
                     if replica is not None:
                         return replica
                     reason = self._unservable_reason()
@@ -120,8 +127,9 @@ class ModelRoute:
             self.waiting -= 1
             self.waiting_prompt_tokens -= prompt_size
 
-    def release(self, replica: WorkerHandle) -> None:
+    def release(self, replica: WorkerHandle, work: int = 0) -> None:
         replica.in_flight = max(replica.in_flight - 1, 0)
+        replica.outstanding_tokens = max(replica.outstanding_tokens - work, 0)
         replica.last_used = time.monotonic()
         self.notify()
 

@@ -17,6 +17,7 @@ from quart import current_app
 
 from gateway.config import Registry
 from gateway.generation import GenerationService
+from gateway.logging_setup import LoadProgressLog
 from gateway.router import Router
 from gateway.supervisor import Supervisor
 from gateway.worker_link import WorkerLink
@@ -40,7 +41,9 @@ class Gateway:
         router_ref: list[Router] = []
         link = WorkerLink(
             f"ipc://{runtime_dir / 'workers.sock'}",
-            lambda worker_id, message: supervisor_ref[0].on_message(worker_id, message),
+            LoadProgressLog().wrap(
+                lambda worker_id, message: supervisor_ref[0].on_message(worker_id, message)
+            ),
         )
         supervisor = Supervisor(
             registry, link, lambda worker: router_ref and router_ref[0].on_worker_state(worker)
@@ -76,9 +79,9 @@ class Gateway:
             self.router.drop_route(name)
         fresh = []
         for name in changes["added"] + changes["changed"]:
-            handle = self.supervisor.add(wanted[name])
-            self.router.set_route(wanted[name], [handle])
-            fresh.append(handle)
+            handles = self.supervisor.add(wanted[name])
+            self.router.set_route(wanted[name], handles)
+            fresh.extend(handles)
         # Old workers leave first, so a changed model never holds its GPU twice; requests for it
         # wait in its queue meanwhile, as they do at startup.
         await asyncio.gather(*(self.supervisor.retire(h, grace, "stopped") for h in retiring))

@@ -33,6 +33,7 @@ class WorkerHandle:
     id: str
     model: ModelConfig
     replica: int = 0
+    gpus: list[int] = field(default_factory=list)
     state: str = "starting"
     detail: str = ""
     progress: float | None = None
@@ -45,6 +46,7 @@ class WorkerHandle:
     spawned_at: float = 0.0
     ready_at: float | None = None
     in_flight: int = 0
+    outstanding_tokens: int = 0  # prompt + max_tokens of its requests in flight: the routing load
     last_used: float = field(default_factory=time.monotonic)
     process: asyncio.subprocess.Process | None = None
     task: asyncio.Task[None] | None = None
@@ -64,10 +66,11 @@ class WorkerHandle:
             "detail": self.detail,
             "progress": self.progress,
             "pid": self.pid,
-            "gpus": list(self.model.gpus),
+            "gpus": list(self.gpus),
             "active_jobs": int(self.stats.get("active_jobs", 0)),
             "queued_jobs": int(self.stats.get("queued_jobs", 0)),
             "in_flight": self.in_flight,
+            "outstanding_tokens": self.outstanding_tokens,
             "restarts": self.restarts,
             "last_error": self.last_error,
             "uptime_s": round(now - self.ready_at, 1) if self.ready_at and self.ready else None,
@@ -94,15 +97,24 @@ class Supervisor:
 
     # ---- public ------------------------------------------------------------------------------
 
-    def add(self, model: ModelConfig) -> WorkerHandle:
-        """A handle for a model; ids change per generation so a draining predecessor never clashes."""
+    def add(self, model: ModelConfig) -> list[WorkerHandle]:
+        """One handle per replica; ids change per generation so a draining predecessor never clashes."""
         generation = self._generations.get(model.name, -1) + 1
         self._generations[model.name] = generation
-        handle = WorkerHandle(id=f"{model.name}#{generation}", model=model)
-        if model.load == "on_demand":
-            handle.state, handle.detail = "unloaded", "loads at its first request"
-        self.workers[handle.id] = handle
-        return handle
+        handles = []
+        for replica in range(model.replicas):
+            suffix = f"-r{replica}" if model.replicas > 1 else ""
+            handle = WorkerHandle(
+                id=f"{model.name}#{generation}{suffix}",
+                model=model,
+                replica=replica,
+                gpus=model.gpus_of_replica(replica),
+            )
+            if model.load == "on_demand":
+                handle.state, handle.detail = "unloaded", "loads at its first request"
+            self.workers[handle.id] = handle
+            handles.append(handle)
+        return handles
 
     def start(self) -> None:
         for handle in self.workers.values():
@@ -261,7 +273,7 @@ class Supervisor:
         model = handle.model
         env = dict(os.environ)
         # CPU workers see no GPU at all; GPU workers see only theirs, renumbered from 0.
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in model.gpus)
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in handle.gpus)
         env.setdefault("PYTHONUNBUFFERED", "1")
         handle.stats, handle.info, handle.ready_at = {}, {}, None
         handle.last_error = None
