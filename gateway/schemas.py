@@ -2,11 +2,15 @@
 
 Runs in the gateway process. Owns the API edge: every "string or list" shape the OpenAI API
 allows is normalized here, so the rest of the code sees one shape per field. Unknown fields are
-accepted and ignored, as OpenAI clients send vendor extensions freely.
+accepted and ignored, as OpenAI clients send vendor extensions freely. `response_format` is checked
+for shape only: whether lm-format-enforcer can enforce a schema is the worker's call (it imports
+torch, which the gateway never does), answered with an `invalid_response_format` rejection.
 """
 
 from __future__ import annotations
 
+import json
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -20,6 +24,9 @@ MAX_STOP_LENGTH = 256
 MAX_MESSAGES = 4096
 MAX_TOP_LOGPROBS = 20
 MAX_N = 8
+# A schema travels in every Generate frame and is parsed per job; real ones are a few KB.
+MAX_SCHEMA_CHARS = 64 * 1024
+_SCHEMA_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for json_schema.name
 # Token ids travel as msgpack ints; bound them here so a wild value is a 400, not an encoder error.
 TokenId = Annotated[int, Field(ge=0, lt=2**31)]
 
@@ -48,6 +55,9 @@ class _Request(BaseModel):
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
     timeout: float | None = Field(None, gt=0, description="Per-request deadline in seconds (extension).")
+    response_format: dict[str, Any] | None = Field(
+        None, description="text, json_object or json_schema (on /v1/completions an extension)."
+    )
 
     @field_validator("stop")
     @classmethod
@@ -58,6 +68,12 @@ class _Request(BaseModel):
         if any(len(s) > MAX_STOP_LENGTH or not s for s in stops):
             raise ValueError(f"stop strings must be 1 to {MAX_STOP_LENGTH} characters")
         return stop
+
+    @field_validator("response_format")
+    @classmethod
+    def _response_format_shape(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        structured_output(value)
+        return value
 
     @field_validator("logit_bias")
     @classmethod
@@ -80,6 +96,7 @@ class _Request(BaseModel):
         if self.min_tokens > max_tokens:
             raise InvalidRequest("min_tokens must not exceed max_tokens", param="min_tokens")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        json_object, json_schema = structured_output(self.response_format)
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=defaults.temperature if self.temperature is None else self.temperature,
@@ -103,6 +120,8 @@ class _Request(BaseModel):
             min_tokens=self.min_tokens,
             logprobs=logprobs,
             logit_bias={int(k): float(v) for k, v in (self.logit_bias or {}).items()},
+            json_object=json_object,
+            json_schema=json_schema,
         )
 
     def requested_max_tokens(self) -> int | None:
@@ -110,6 +129,36 @@ class _Request(BaseModel):
 
     def include_usage_in_stream(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+
+def structured_output(response_format: dict[str, Any] | None) -> tuple[bool, str | None]:
+    """(json_object, json_schema as JSON text) for a response_format; ValueError if it is malformed."""
+    if response_format is None:
+        return False, None
+    kind = response_format.get("type")
+    if kind == "text":
+        return False, None
+    if kind == "json_object":
+        return True, None
+    if kind != "json_schema":
+        raise ValueError("type must be one of 'text', 'json_object', 'json_schema'")
+    spec = response_format.get("json_schema")
+    if not isinstance(spec, dict):
+        raise ValueError("json_schema must be an object with a name and a schema")
+    name = spec.get("name")
+    if not isinstance(name, str) or not _SCHEMA_NAME.fullmatch(name):
+        raise ValueError("json_schema.name must be 1 to 64 letters, digits, underscores or dashes")
+    if spec.get("strict") is not None and not isinstance(spec["strict"], bool):
+        raise ValueError("json_schema.strict must be a boolean")
+    schema = spec.get("schema")
+    if schema is None:
+        return True, None  # a name and no schema: any JSON object
+    if not isinstance(schema, dict):
+        raise ValueError("json_schema.schema must be a JSON object")
+    text = json.dumps(schema, separators=(",", ":"))
+    if len(text) > MAX_SCHEMA_CHARS:
+        raise ValueError(f"json_schema.schema must be at most {MAX_SCHEMA_CHARS} characters as JSON")
+    return False, text
 
 
 class StreamOptions(BaseModel):
@@ -153,7 +202,6 @@ class ChatCompletionRequest(_Request):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    response_format: dict[str, Any] | None = None
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens

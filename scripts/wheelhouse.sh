@@ -35,6 +35,8 @@ packages=(
     # HTTP server: Quart on Hypercorn, and what they import
     quart==0.22.0 flask==3.1.3 werkzeug==3.1.9 blinker==1.9.0 itsdangerous==2.2.0
     hypercorn==0.18.0 h11==0.16.0 h2==4.4.1 hpack==4.2.0 hyperframe==6.1.0 priority==2.0.0 wsproto==1.3.2
+    # structured output in the worker (lm-format-enforcer also needs packaging and pyyaml: in the image)
+    lm-format-enforcer==0.11.3 interegular==0.3.3
     # registry and request schemas
     pydantic==2.14.3 pydantic-core==2.50.4 annotated-types==0.8.0 typing-inspection==0.4.5
     typing-extensions==4.16.0

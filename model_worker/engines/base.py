@@ -19,6 +19,10 @@ from model_worker.protocol import JobOutput, SamplingParams
 ProgressCallback = Callable[[str, "float | None"], None]
 
 
+# Temperatures below this are greedy: dividing logits by them overflows to inf (vLLM does the same).
+GREEDY_BELOW_TEMPERATURE = 1e-5
+
+
 class RequestRejected(Exception):
     """One request cannot run (too long, bad parameter). Recoverable: the worker keeps serving."""
 

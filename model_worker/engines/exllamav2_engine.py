@@ -17,13 +17,24 @@ from pathlib import Path
 from typing import Any
 
 from model_worker.devices import cuda_devices
-from model_worker.engines.base import EngineSettings, ProgressCallback, RequestRejected
+from model_worker.engines.base import (
+    GREEDY_BELOW_TEMPERATURE,
+    EngineSettings,
+    ProgressCallback,
+    RequestRejected,
+)
 from model_worker.engines.exllamav2_results import (
     PartialOutput,
     add_tokens,
     attention_kind,
     eos_token_ids,
     make_config,
+)
+from model_worker.engines.structured_output import (
+    build_parser,
+    exllamav2_filter,
+    exllamav2_tokenizer_data,
+    wants_json,
 )
 from model_worker.protocol import JobOutput, SamplingParams
 
@@ -66,6 +77,7 @@ class ExLlamaV2Engine:
         self._eos_ids: list[int] = []
         self._pieces: list[str] = []
         self._supports_logit_bias = False
+        self._json_data: Any = None  # lm-format-enforcer's tokenizer data, built for the first JSON job
         self._counters = {"steps": 0, "tokens": 0, "finished": 0, "cancelled": 0}
 
     # ---- loading -------------------------------------------------------------------------------
@@ -207,6 +219,10 @@ class ExLlamaV2Engine:
         if params.max_tokens < 1:
             raise RequestRejected("invalid_value", "max_tokens must be at least 1.", "max_tokens")
         eos = [] if params.ignore_eos else self._eos_ids
+        filters = self._json_filters(params)
+        if filters:
+            # The enforcer closes the output with the tokenizer's EOS: it ends the job even under ignore_eos.
+            eos = [*eos, int(self.tokenizer.eos_token_id)]
         stop: list[Any] = [*params.stop, *params.stop_token_ids, *eos]
         job = self._exl.generator.ExLlamaV2DynamicJob(
             input_ids=self._torch.tensor([prompt_ids], dtype=self._torch.long),
@@ -219,6 +235,9 @@ class ExLlamaV2Engine:
             identifier=rid,
             return_probs=params.logprobs is not None,
             return_top_tokens=params.logprobs or 0,
+            filters=filters,
+            # Ends the job as soon as the JSON is complete, instead of letting whitespace run on.
+            filter_prefer_eos=bool(filters),
         )
         try:
             self.generator.enqueue(job)
@@ -228,9 +247,20 @@ class ExLlamaV2Engine:
         self._jobs[rid] = _Job(job, n, params.logprobs)
         return n
 
+    def _json_filters(self, params: SamplingParams) -> list[Any]:
+        """The job's lm-format-enforcer filter when it asks for JSON; RequestRejected for a bad schema."""
+        if not wants_json(params):
+            return []
+        parser = build_parser(params)  # before the slow tokenizer data: a bad schema fails fast
+        if self._json_data is None:
+            started = time.monotonic()
+            self._json_data = exllamav2_tokenizer_data(self.tokenizer)
+            logger.info("structured output: tokenizer data built in %.2fs", time.monotonic() - started)
+        return [exllamav2_filter(parser, self._json_data)]
+
     def _sampler_settings(self, params: SamplingParams) -> Any:
         settings_cls = self._exl.generator.ExLlamaV2Sampler.Settings
-        if params.temperature <= 0.0:
+        if params.temperature < GREEDY_BELOW_TEMPERATURE:  # near 0 overflows the sampler; it means greedy
             settings = settings_cls.greedy()
         else:
             settings = settings_cls(

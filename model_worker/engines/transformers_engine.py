@@ -20,6 +20,12 @@ import torch
 
 from model_worker.devices import cuda_devices
 from model_worker.engines.base import EngineSettings, ProgressCallback, RequestRejected
+from model_worker.engines.structured_output import (
+    JsonConstraint,
+    build_parser,
+    transformers_tokenizer_data,
+    wants_json,
+)
 from model_worker.engines.transformers_sampling import JobSampler
 from model_worker.protocol import JobOutput, SamplingParams
 from model_worker.text_stream import IncrementalDetokenizer, StopStringMatcher
@@ -60,6 +66,7 @@ class TransformersEngine:
         self._device = torch.device("cpu")
         self._vocab_size = 0
         self._end_ids: set[int] = set()
+        self._json_data: Any = None  # lm-format-enforcer's tokenizer data, built for the first JSON job
         self._queue: OrderedDict[str, _Job] = OrderedDict()
         self._active: OrderedDict[str, _Job] = OrderedDict()
         self._steps = 0
@@ -175,6 +182,10 @@ class TransformersEngine:
         max_tokens = min(params.max_tokens, max_len - prompt_tokens)
         sequence = torch.zeros((1, prompt_tokens + max_tokens), dtype=torch.long, device=self._device)
         sequence[0, :prompt_tokens] = torch.tensor(prompt_ids, dtype=torch.long)
+        constraint = None
+        if wants_json(params):
+            parser = build_parser(params)  # before the slow tokenizer data: a bad schema fails fast
+            constraint = JsonConstraint(self._json_tokenizer_data(), parser, rid)
         end_ids = set() if params.ignore_eos else set(self._end_ids)
         self._queue[rid] = _Job(
             rid=rid,
@@ -182,7 +193,12 @@ class TransformersEngine:
             params=params,
             max_tokens=max_tokens,
             sampler=JobSampler(
-                params, prompt_tokens, self._vocab_size, end_ids | set(params.stop_token_ids), self._device
+                params,
+                prompt_tokens,
+                self._vocab_size,
+                end_ids | set(params.stop_token_ids),
+                self._device,
+                constraint,
             ),
             detokenizer=IncrementalDetokenizer(self.decode, prompt_ids),
             matcher=StopStringMatcher(params.stop),
@@ -191,6 +207,15 @@ class TransformersEngine:
         )
         self._admit()
         return prompt_tokens
+
+    def _json_tokenizer_data(self) -> Any:
+        if self._json_data is None:
+            started = time.monotonic()
+            # Only ids that both the tokenizer and the model's logits have may ever be allowed.
+            vocab_size = min(len(self._tokenizer), self._vocab_size)
+            self._json_data = transformers_tokenizer_data(self._tokenizer, vocab_size, self._end_ids)
+            logger.info("structured output: tokenizer data built in %.2fs", time.monotonic() - started)
+        return self._json_data
 
     def cancel(self, rid: str) -> bool:
         job = self._queue.pop(rid, None) or self._active.pop(rid, None)
@@ -269,7 +294,9 @@ class TransformersEngine:
 
         finish: str | None = None
         text = ""
-        if token in params.stop_token_ids or (not params.ignore_eos and token in self._end_ids):
+        # A JSON job ends where the enforcer chose an end token, even under ignore_eos.
+        ends = not params.ignore_eos or job.sampler.constraint is not None
+        if token in params.stop_token_ids or (ends and token in self._end_ids):
             # The end token's own text is never shown; only what the tokens before it completed.
             finish = "stop"
             text, _ = self._drain(job)

@@ -3,8 +3,9 @@
 Runs in a worker process, inside `TransformersEngine`. Owns one job's sampling state: its chain of
 logits processors and its random generator. transformers' own processors and warpers are used
 wherever they exist; the few small processors here cover what transformers lacks (OpenAI
-frequency/presence penalties, a per-token logit bias). Nothing here depends on other jobs, so a
-job's choices are the same alone or in a crowd.
+frequency/presence penalties, a per-token logit bias). A job asking for JSON also carries a
+`JsonConstraint` (model_worker.engines.structured_output) that masks every token the format does
+not allow. Nothing here depends on other jobs, so a job's choices are the same alone or in a crowd.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from transformers.generation.logits_process import (
     TypicalLogitsWarper,
 )
 
+from model_worker.engines.base import GREEDY_BELOW_TEMPERATURE
+from model_worker.engines.structured_output import JsonConstraint
 from model_worker.protocol import SamplingParams
 
 
@@ -67,8 +70,12 @@ class JobSampler:
         vocab_size: int,
         end_ids: Iterable[int],
         device: torch.device,
+        constraint: JsonConstraint | None = None,
     ) -> None:
-        self.greedy = params.temperature == 0
+        # A temperature this close to 0 overflows logits / temperature to inf; it means greedy anyway.
+        self.greedy = params.temperature < GREEDY_BELOW_TEMPERATURE
+        self.prompt_len = prompt_len
+        self.constraint = constraint
         processors = LogitsProcessorList()
         if params.repetition_penalty != 1.0:
             processors.append(RepetitionPenaltyLogitsProcessor(float(params.repetition_penalty)))
@@ -103,8 +110,23 @@ class JobSampler:
 
     def choose(self, input_ids: torch.Tensor, logits: torch.Tensor) -> int:
         """input_ids: [1, prompt + generated so far]; logits: [1, vocab] float32 for the next token."""
+        if self.constraint is not None:
+            allowed = self.constraint.allowed(input_ids[0, self.prompt_len :].tolist())
+            end = self.constraint.end_in(allowed)
+            if end is not None:
+                return end
+            # Masked before every other processor, so that top-k/top-p choose among allowed tokens only.
+            mask = torch.full_like(logits, float("-inf"))
+            mask[:, torch.tensor(allowed, dtype=torch.long, device=logits.device)] = 0.0
+            logits = logits + mask
         scores = self.processors(input_ids, logits) if self.processors else logits  # type: ignore[arg-type]
         if self.greedy:
             return int(torch.argmax(scores, dim=-1).item())
         probs = torch.softmax(scores, dim=-1)
+        if not bool(torch.isfinite(probs).all()) or float(probs.sum()) <= 0.0:
+            # Extreme but valid parameters can leave no finite probability; one request's settings
+            # must never crash the worker that serves everyone, so fall back to the best finite score.
+            finite = torch.where(torch.isfinite(scores), scores, torch.full_like(scores, float("-inf")))
+            best = finite if bool(torch.isfinite(finite).any()) else logits
+            return int(torch.argmax(best, dim=-1).item())
         return int(torch.multinomial(probs, 1, generator=self.generator).item())

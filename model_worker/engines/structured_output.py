@@ -1,0 +1,270 @@
+"""Structured output (response_format json_object / json_schema) by constrained decoding.
+
+Runs in a worker process, inside either engine, on the serve loop's thread (and, for exllamav2, in
+the generator's filter threads). Owns the bridge to lm-format-enforcer: the character-level JSON
+parser built from a job's SamplingParams (a schema it cannot build is a rejected request), the
+per-tokenizer data the enforcer needs, the per-job `JsonConstraint` the transformers engine asks
+for allowed tokens, and the exllamav2 filter class. lm-format-enforcer imports torch, so nothing
+here is imported by the gateway; this module imports it lazily, only when a job asks for JSON.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+from collections.abc import Iterable
+from typing import Any
+
+from model_worker.engines.base import RequestRejected
+from model_worker.protocol import SamplingParams
+
+logger = logging.getLogger(__name__)
+# lm-format-enforcer logs the text generated so far at ERROR when it cannot continue; generated text
+# is user content, which this project never logs above DEBUG. Our own warning says what happened.
+logging.getLogger("lmformatenforcer").setLevel(logging.CRITICAL)
+
+# json_object asks for "a JSON object", not any JSON value, as OpenAI's JSON mode does.
+_ANY_OBJECT_SCHEMA: dict[str, Any] = {"type": "object"}
+
+
+def wants_json(params: SamplingParams) -> bool:
+    return params.json_object or params.json_schema is not None
+
+
+def build_parser(params: SamplingParams) -> Any:
+    """The lm-format-enforcer parser for this job; RequestRejected if the schema cannot be enforced."""
+    from lmformatenforcer import JsonSchemaParser
+
+    _fix_json_parser()
+    schema = _ANY_OBJECT_SCHEMA
+    if params.json_schema is not None:
+        try:
+            schema = json.loads(params.json_schema)
+        except ValueError:
+            raise _invalid("json_schema.schema is not valid JSON") from None
+        if not isinstance(schema, dict):
+            raise _invalid("json_schema.schema must be a JSON object")
+    try:
+        return JsonSchemaParser(schema)
+    except Exception as exc:  # pydantic and lm-format-enforcer raise many types for a bad schema
+        raise _invalid(f"the JSON schema cannot be enforced: {_first_line(exc)}") from None
+
+
+@functools.cache
+def _fix_json_parser() -> None:
+    """Fix three lm-format-enforcer 0.11.3 parser bugs that let invalid output through. Once per process.
+
+    Patched on the classes, because the library builds its parser states itself. The fixes only
+    remove wrong outcomes; tests/unit/test_structured_output.py pins them.
+    - An object may close right after a comma (`{"a": 1,}`), which no JSON parser accepts: `}` is
+      allowed whenever the required keys are present. After `,` another key is always allowed, so
+      forbidding `}` there leaves no dead end.
+    - Whitespace right after a string's opening quote is dropped as if it stood between tokens, so
+      `" abc"` counts as three characters against maxLength (and enum values starting with a space
+      cannot be written). Inside the quotes it is part of the string.
+    - An integer may take a fraction or an exponent (`-0.5`, `2e-3`, `1e999`): only digits are kept.
+    """
+    from lmformatenforcer import jsonschemaparser as lmfe
+
+    object_class, key_or_end = lmfe.ObjectParsingState, lmfe.ObjectParsingStage.PARSING_KEY_OR_END
+    object_allowed = object_class.get_allowed_characters
+
+    def get_allowed_characters(self: Any) -> str:
+        allowed = str(object_allowed(self))
+        # existing_keys is empty right after `{`, where `{}` is fine, and never empty after a `,`.
+        return (
+            allowed.replace("}", "") if self.current_stage == key_or_end and self.existing_keys else allowed
+        )
+
+    string_class = lmfe.StringParsingState
+    string_add = string_class.add_character
+
+    def add_character(self: Any, character: str) -> Any:
+        opened = self.require_opening_quote and self.seen_opening_quote and not self.seen_closing_quote
+        if opened and not self.parsed_string and character in lmfe.WHITESPACE_CHARACTERS:
+            updated = self._clone()  # what the library does for any other character in a string
+            updated.parsed_string = character
+            if updated.regex_parser is not None:
+                updated.regex_parser = updated.regex_parser.add_character(character)
+            return updated
+        return string_add(self, character)
+
+    number_class = lmfe.NumberParsingState
+    number_allowed = number_class.get_allowed_characters
+
+    def number_allowed_characters(self: Any) -> str:
+        allowed = str(number_allowed(self))
+        return allowed if self.allow_floating_point else allowed.translate(_NO_FRACTION)
+
+    object_class.get_allowed_characters = get_allowed_characters
+    string_class.add_character = add_character
+    number_class.get_allowed_characters = number_allowed_characters
+
+
+_NO_FRACTION = str.maketrans("", "", ".eE")
+
+
+def _invalid(message: str) -> RequestRejected:
+    return RequestRejected("invalid_response_format", message, "response_format")
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return (text[0] if text else type(exc).__name__)[:200]
+
+
+def transformers_tokenizer_data(tokenizer: Any, vocab_size: int, end_ids: Iterable[int]) -> Any:
+    """lm-format-enforcer's per-tokenizer data for a Hugging Face tokenizer; slow (decodes the vocabulary).
+
+    This is what `lmformatenforcer.integrations.transformers.build_token_enforcer_tokenizer_data`
+    does, rebuilt here because that module does not import under transformers >= 5 (it imports
+    `transformers.tokenization_utils`, which is gone). Every end id the engine stops on is passed,
+    so that the enforcer may close the output with any of them.
+    """
+    # all_special_ids misses added special tokens such as a chat template's <|im_start|>: the model
+    # could write them into a string, and the engine (which skips special tokens) would not show them.
+    special = set(tokenizer.all_special_ids)
+    special.update(i for i, added in tokenizer.added_tokens_decoder.items() if added.special)
+    # A token's text after a digit tells whether it starts a word (a leading space the tokenizer
+    # drops when the token stands alone).
+    zero = tokenizer.encode("0", add_special_tokens=False)[-1]
+    regular: list[tuple[int, str, bool]] = []
+    for token_id in range(vocab_size):
+        if token_id in special:
+            continue
+        after_zero = tokenizer.decode([zero, token_id])[1:]
+        alone = tokenizer.decode([token_id])
+        regular.append((token_id, after_zero, len(after_zero) > len(alone)))
+
+    def decode(token_ids: list[int]) -> str:
+        # A trailing partial UTF-8 sequence decodes to U+FFFD; the enforcer must not see it as text.
+        return str(tokenizer.decode(token_ids)).rstrip("\ufffd")
+
+    return _json_safe(regular, decode, sorted(set(end_ids)), vocab_size)
+
+
+def exllamav2_tokenizer_data(tokenizer: Any) -> Any:
+    """The same for an exllamav2 tokenizer, from lm-format-enforcer's own exllamav2 integration."""
+    from lmformatenforcer.integrations.exllamav2 import build_token_enforcer_tokenizer_data
+
+    data = build_token_enforcer_tokenizer_data(tokenizer)
+    return _json_safe(data.regular_tokens, data.decoder, data.eos_token_id, data.vocab_size)
+
+
+def _json_safe(
+    regular: list[tuple[int, str, bool]], decode: Any, end_ids: int | list[int], vocab_size: int
+) -> Any:
+    """Tokenizer data restricted to tokens that cannot break the JSON the enforcer believes it made.
+
+    Left out: tokens that decode to nothing (the enforcer allows those everywhere, and a job could
+    emit them forever), tokens that are part of a UTF-8 sequence (they decode to U+FFFD alone, so
+    the enforcer's idea of the text drifts from the real text), and tokens holding control
+    characters other than whitespace (never valid in JSON). The model can still write any
+    character: whole-character tokens, or a \\u escape. And the table of tokens allowed inside
+    strings is rebuilt without tabs: lm-format-enforcer checks newlines there but lets a raw tab
+    through, and JSON forbids raw control characters in strings.
+    """
+    from lmformatenforcer import TokenEnforcerTokenizerData
+    from lmformatenforcer.tokenizerprefixtree import JsonFreetextTokenCache
+
+    kept = [entry for entry in regular if _clean(entry[1])]
+    data = TokenEnforcerTokenizerData(kept, decode, end_ids, False, vocab_size)
+    in_strings = JsonFreetextTokenCache(False, vocab_size)
+    for token_id, text, _ in kept:
+        if "\t" not in text:
+            in_strings.add_token(text, token_id)
+    in_strings.freeze()
+    data.tokenizer_tree.json_freetext_tokens = in_strings
+    return data
+
+
+def _clean(text: str) -> bool:
+    return bool(text) and "\ufffd" not in text and all(c in "\t\n\r" or c >= " " for c in text)
+
+
+class JsonConstraint:
+    """One transformers job's enforcer: which tokens may come next, given the completion so far."""
+
+    def __init__(self, tokenizer_data: Any, parser: Any, rid: str) -> None:
+        from lmformatenforcer import TokenEnforcer
+
+        self.enforcer = TokenEnforcer(tokenizer_data, parser)
+        eos = tokenizer_data.eos_token_id
+        self.end_ids: list[int] = list(eos) if isinstance(eos, list) else [eos]
+        self.rid = rid
+        _check_start(self.enforcer)
+
+    def allowed(self, generated: list[int]) -> list[int]:
+        """Allowed next token ids after `generated` (the completion's ids only, not the prompt's)."""
+        try:
+            allowed = list(self.enforcer.get_allowed_tokens(generated).allowed_tokens)
+        except Exception as exc:
+            # A schema feature that fails only once generation reaches it (lm-format-enforcer builds
+            # nested parsers lazily). The job cannot continue within the schema: end it.
+            logger.warning("rid=%s structured output stopped: %s", self.rid, _first_line(exc))
+            return self.end_ids
+        _forget_before(self.enforcer, generated)
+        return allowed
+
+    def end_in(self, allowed: list[int]) -> int | None:
+        """An end id when the output may end here; like exllamav2's filter_prefer_eos, it then ends."""
+        permitted = set(allowed)
+        return next((t for t in self.end_ids if t in permitted), None)
+
+
+def exllamav2_filter(parser: Any, tokenizer_data: Any) -> Any:
+    """A per-job exllamav2 filter that enforces `parser`; RequestRejected if it cannot even start."""
+    job_filter = _exllamav2_filter_class()(parser, tokenizer_data)
+    _check_start(job_filter.token_enforcer)
+    return job_filter
+
+
+def _forget_before(enforcer: Any, sequence: list[int]) -> None:
+    """Drop the enforcer's state for the prefix before `sequence`, now that `sequence` has its own.
+
+    The enforcer keeps a state per prefix it has seen, for beam search, which is quadratic memory
+    in the output length; one job only ever extends its newest prefix, so older states are dead.
+    """
+    if sequence:
+        enforcer.prefix_states.pop(tuple(sequence[:-1]), None)
+
+
+def _check_start(enforcer: Any) -> None:
+    """Compute the first step's allowed tokens now, so that a schema failing there is a rejection."""
+    try:
+        enforcer.get_allowed_tokens([])
+    except Exception as exc:
+        raise _invalid(f"the JSON schema cannot be enforced: {_first_line(exc)}") from None
+
+
+@functools.cache
+def _exllamav2_filter_class() -> type:
+    """lm-format-enforcer's filter, made a real `ExLlamaV2Filter`.
+
+    lm-format-enforcer 0.11.3's `ExLlamaV2TokenEnforcerFilter` does not subclass `ExLlamaV2Filter`,
+    and exllamav2 0.3.2's dynamic generator calls base-class methods on every filter
+    (`background_drop`, `can_mask_logits`, `use_background_worker`, `get_next`): used as is it fails
+    with AttributeError (exllamav2 issues #696, #709). The base class supplies those methods; the
+    enforcer filter keeps `begin`, `feed`, `next` and `clone`, which come first in the MRO.
+    """
+    from exllamav2.generator.filters import ExLlamaV2Filter
+    from lmformatenforcer.integrations.exllamav2 import ExLlamaV2TokenEnforcerFilter
+
+    class TokenEnforcerFilter(ExLlamaV2TokenEnforcerFilter, ExLlamaV2Filter):  # type: ignore[misc]
+        def __init__(self, parser: Any, tokenizer_data: Any) -> None:
+            # The enforcer filter never uses model or tokenizer; the base class only stores them.
+            ExLlamaV2Filter.__init__(self, None, None)
+            ExLlamaV2TokenEnforcerFilter.__init__(self, parser, tokenizer_data)
+
+        def next(self) -> Any:
+            allowed = super().next()
+            _forget_before(self.token_enforcer, self.token_sequence)
+            return allowed
+
+        def use_background_worker(self) -> bool:
+            # The enforcer is CPU work: let the generator run next() while the GPU runs the forward
+            # pass. Each job has its own filter, and a filter's state is touched by one thread at a time.
+            return True
+
+    return TokenEnforcerFilter
