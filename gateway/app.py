@@ -15,12 +15,13 @@ from typing import Any
 from quart import Quart, jsonify
 from werkzeug.exceptions import HTTPException
 
-from gateway.api import admin, health, openai, openapi, tokenize
+from gateway.api import admin, dashboard, health, openai, openapi, tokenize
 from gateway.api import metrics as metrics_api
 from gateway.auth import Authenticator
 from gateway.config import Registry
 from gateway.errors import APIError, error_body
 from gateway.metrics import GatewayMetrics, count_response
+from gateway.request_log import begin_request, finish_request
 from gateway.state import Gateway
 
 logger = logging.getLogger(__name__)
@@ -39,7 +40,7 @@ def make_runtime_dir(registry: Registry) -> Path:
 
 
 def create_app(registry: Registry) -> Quart:
-    app = Quart(__name__)
+    app = Quart(__name__, static_folder=None)  # no implicit /static route: pages are served by routes
     app.config["MAX_CONTENT_LENGTH"] = registry.server.max_body_bytes
     app.config["RESPONSE_TIMEOUT"] = None  # streams may legitimately run for many minutes
     app.config["BODY_TIMEOUT"] = 60
@@ -51,14 +52,18 @@ def create_app(registry: Registry) -> Quart:
     app.extensions["gateway"] = gateway
     app.extensions["auth"] = authenticator
     app.extensions["metrics"] = GatewayMetrics(gateway)
+    # The request id first, so a refused request is logged and answered with one too.
+    app.before_request(begin_request)
     app.before_request(authenticator.before_request)
     app.after_request(count_response)
+    app.after_request(finish_request)
     app.register_blueprint(openai.blueprint)
     app.register_blueprint(health.blueprint)
     app.register_blueprint(openapi.blueprint)
     app.register_blueprint(tokenize.blueprint)
     app.register_blueprint(admin.blueprint)
     app.register_blueprint(metrics_api.blueprint)
+    app.register_blueprint(dashboard.blueprint)
 
     @app.before_serving
     async def start_gateway() -> None:

@@ -46,4 +46,10 @@ async def ready() -> Any:
 @blueprint.get("/admin/workers")
 async def workers() -> Any:
     gateway = current_gateway()
-    return jsonify({"workers": [w.describe() for w in gateway.supervisor.workers.values()]})
+    workers = [w.describe() for w in gateway.supervisor.workers.values()]
+    # Requests waiting in the gateway for a slot, per model (the status page's queue depth).
+    models = {
+        name: {"state": route.state, "queue_depth": route.waiting}
+        for name, route in gateway.router.routes.items()
+    }
+    return jsonify({"workers": workers, "models": models})

@@ -20,6 +20,7 @@ from gateway.api.openai_format import SSE_DONE, SSE_KEEPALIVE, ChoiceState, Resp
 from gateway.auth import may_use
 from gateway.errors import APIError, InvalidRequest
 from gateway.generation import ActiveJob
+from gateway.logging_setup import set_log_context
 from gateway.metrics import CLIENT_CLOSED, RequestRecorder, start_request
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.state import Gateway, current_gateway
@@ -60,10 +61,6 @@ async def get_model(model_id: str) -> Any:
 @blueprint.post("/v1/chat/completions")
 async def chat_completions() -> Any:
     req: ChatCompletionRequest = await parse_body(ChatCompletionRequest)
-    if req.response_format and req.response_format.get("type") not in (None, "text"):
-        raise InvalidRequest(
-            "response_format other than 'text' is not supported yet", param="response_format"
-        )
     messages = [m.to_wire() for m in req.messages]
     inputs = [{"messages": messages}] * req.n
     return await _serve(req, inputs, chat=True, logprobs=req.logprobs_count(), echoes=[])
@@ -91,6 +88,7 @@ async def _serve(
 ) -> Any:
     gateway = current_gateway()
     route = gateway.router.route(req.model)
+    set_log_context(model=route.config.name)  # the canonical name, on every line of this request
     params = req.sampling_params(route.config, logprobs)
     deadline = gateway.router.deadline_for(route, req.timeout)
     prefix = "chatcmpl-" if chat else "cmpl-"
