@@ -16,7 +16,9 @@ from pathlib import Path
 
 from gateway.api_keys import check_bind_allowed, keys_file_path, parse_keys_file
 from gateway.config import ConfigError, Registry, load_registry
+from gateway.logging_setup import configure_logging
 from gateway.placement import check_placement, discover_gpus
+from model_worker.log_format import FORMATS, resolve_format
 
 DEFAULT_CONFIG = "config/models.yaml"
 
@@ -27,6 +29,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     port = int(args.port if args.port is not None else os.environ.get("PORT") or registry.server.port)
     check_bind_allowed(registry, host, os.environ)  # no keys: loopback only
     _check_placement(registry)
+    if registry.server.remote_workers is not None:
+        from gateway.worker_link import check_remote_keys
+
+        check_remote_keys(registry.server.remote_workers)  # a tcp listener without keys never starts
     from gateway.server import run_server
 
     asyncio.run(run_server(registry, host, port))
@@ -34,7 +40,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _check_placement(registry: Registry) -> None:
-    if not any(model.gpus for model in registry.models):
+    if not any(model.gpus or model.replica_gpus for model in registry.models):
         return  # CPU-only registry: nothing to place
     errors, warnings = check_placement(registry, discover_gpus())
     for warning in warnings:
@@ -63,6 +69,21 @@ def _cmd_make_demo_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_keys(args: argparse.Namespace) -> int:
+    """CURVE key pairs for the gateway and for remote workers (ZeroMQ's certificate files)."""
+    import zmq.auth
+
+    folder = Path(args.dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in args.name:
+        if (folder / f"{name}.key_secret").exists():
+            raise ConfigError(f"{folder / name}.key_secret exists; refusing to overwrite a key")
+        public_file, secret_file = zmq.auth.create_certificates(str(folder), name)
+        Path(secret_file).chmod(0o600)
+        print(f"wrote {public_file} (public: share it) and {secret_file} (secret: keep it on its host)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gateway", description="OpenAI-compatible multi-model LLM gateway")
     parser.add_argument("--log-level", default=os.environ.get("LOG_LEVEL", "INFO"))
@@ -73,10 +94,20 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--port", type=int, default=None, help="default: $PORT, then the registry's server.port"
     )
+    serve.add_argument(
+        "--log-format",
+        choices=FORMATS,
+        default=None,
+        help="text or json (one object per line); default: $LOG_FORMAT, then text",
+    )
     serve.set_defaults(func=_cmd_serve)
     check = sub.add_parser("check-config", help="validate a registry file without starting anything")
     check.add_argument("config", nargs="?", default=os.environ.get("CONFIG", DEFAULT_CONFIG))
     check.set_defaults(func=_cmd_check_config)
+    keys = sub.add_parser("keys", help="generate CURVE key pairs for the gateway and remote workers")
+    keys.add_argument("dir")
+    keys.add_argument("--name", action="append", required=True, help="e.g. gateway, worker-a (repeatable)")
+    keys.set_defaults(func=_cmd_keys)
     demo = sub.add_parser("make-demo-model", help="write a small random-weight model folder (offline)")
     demo.add_argument("dir")
     demo.add_argument("--preset", default="small")
@@ -88,11 +119,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    try:
+        log_format = resolve_format(getattr(args, "log_format", None), os.environ)
+    except ValueError as exc:
+        print(f"config error: {exc}", file=sys.stderr)
+        return 2
+    if args.command == "serve":
+        # Workers inherit the environment, so their lines come out in the same format.
+        os.environ["LOG_FORMAT"] = log_format
+    configure_logging(args.log_level, log_format)
     try:
         return int(args.func(args))
     except ConfigError as exc:

@@ -63,6 +63,7 @@ class ModelConfig(_Strict):
     defaults: SamplingDefaults = Field(default_factory=SamplingDefaults)
     limits: ModelLimits = Field(default_factory=ModelLimits)
     chat_template: str | None = Field(None, description="Inline Jinja template or a path to a file.")
+    remote: bool = Field(False, description="Served only by workers that connect from other hosts.")
     load: Literal["startup", "on_demand"] = Field(
         "startup", description="on_demand: loaded at its first request, which waits (within its deadline)."
     )
@@ -118,10 +119,19 @@ class ModelConfig(_Strict):
         return self
 
 
+class RemoteWorkersConfig(_Strict):
+    """A tcp listener for workers on other hosts; CURVE-encrypted, and only for known worker keys."""
+
+    bind: str = Field(..., pattern=r"^tcp://", description="e.g. tcp://0.0.0.0:5555")
+    secret_key_file: Path = Field(..., description="The gateway's CURVE secret key (`gateway keys`).")
+    authorized_keys_dir: Path = Field(..., description="Public keys of the workers allowed to connect.")
+
+
 class ServerConfig(_Strict):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     runtime_dir: Path | None = Field(None, description="Where ipc sockets live; default a private temp dir.")
+    remote_workers: RemoteWorkersConfig | None = Field(None, description="Accept workers from other hosts.")
     api_keys_file: Path | None = Field(
         None,
         description="YAML file of API keys (gateway/api_keys.py shows the format), relative to the registry "
@@ -159,6 +169,13 @@ class Registry(_Strict):
                         f"name {name!r} of model {model.name!r} is already used by {seen[name]!r}"
                     )
                 seen[name] = model.name
+        return self
+
+    @model_validator(mode="after")
+    def _remote_needs_listener(self) -> Registry:
+        remote = [m.name for m in self.models if m.remote]
+        if remote and self.server.remote_workers is None:
+            raise ValueError(f"models {remote} are remote, but server.remote_workers is not configured")
         return self
 
     def model(self, name: str) -> ModelConfig | None:
@@ -208,7 +225,41 @@ def parse_registry(raw: Any, source: Path) -> Registry:
         )
         for m in registry.models
     ]
-    return registry.model_copy(update={"models": models})
+    server = registry.server
+    if server.remote_workers is not None:
+        remote = server.remote_workers
+        resolved = remote.model_copy(
+            update={
+                "secret_key_file": (base / remote.secret_key_file).resolve(),
+                "authorized_keys_dir": (base / remote.authorized_keys_dir).resolve(),
+            }
+        )
+        server = server.model_copy(update={"remote_workers": resolved})
+    return registry.model_copy(update={"models": models, "server": server})
+
+
+def worker_spec(model: ModelConfig, heartbeat_interval_s: float) -> dict[str, Any]:
+    """What a worker process needs to run this model: sent by the gateway, or built by a remote worker."""
+    settings = {
+        "path": str(model.path),
+        "max_seq_len": model.max_seq_len,
+        "max_batch_size": model.max_batch_size,
+        "max_chunk_size": model.max_chunk_size,
+        "cache_size": model.cache_size,
+        "cache_mode": model.cache_mode,
+        "gpu_split": model.gpu_split,
+        "reserve_vram_gb": model.reserve_vram_gb,
+        "dtype": model.dtype,
+        "threads": model.threads,
+        "draft_path": str(model.draft_path) if model.draft_path else None,
+    }
+    return {
+        "name": model.name,
+        "engine": model.engine,
+        "settings": settings,
+        "chat_template": model.chat_template,
+        "heartbeat_interval_s": heartbeat_interval_s,
+    }
 
 
 def load_registry(path: str | Path) -> Registry:

@@ -72,6 +72,36 @@ def weights_bytes(model: ModelConfig) -> int:
     return total
 
 
+def _check_replica(
+    model: ModelConfig,
+    replica_gpus: list[int],
+    gpus: list[Gpu],
+    by_index: dict[int, Gpu],
+    users: dict[int, list[str]],
+) -> list[str]:
+    missing = [g for g in replica_gpus if g not in by_index]
+    if missing:
+        listed = f" ({', '.join(str(g.index) for g in gpus)})" if gpus else ""
+        return [
+            f"model {model.name!r}: gpus {replica_gpus} but this host has {len(gpus)} GPU(s){listed}; "
+            f"GPU {missing[0]} does not exist"
+        ]
+    for index in replica_gpus:
+        users.setdefault(index, []).append(model.name)
+    if not replica_gpus:
+        return []
+    available = sum(by_index[g].memory_total_bytes for g in replica_gpus) - model.reserve_vram_gb * GIB * len(
+        replica_gpus
+    )
+    needed = weights_bytes(model)
+    if needed > available:
+        return [
+            f"model {model.name!r}: its weights alone take {needed / GIB:.1f} GiB, more than the "
+            f"{available / GIB:.1f} GiB of gpus {replica_gpus}; add GPUs or use a smaller quantization"
+        ]
+    return []
+
+
 def check_placement(registry: Registry, gpus: list[Gpu]) -> tuple[list[str], list[str]]:
     """(errors, warnings) for the registry on these GPUs."""
     errors: list[str] = []
@@ -79,27 +109,10 @@ def check_placement(registry: Registry, gpus: list[Gpu]) -> tuple[list[str], lis
     by_index = {gpu.index: gpu for gpu in gpus}
     users: dict[int, list[str]] = {}
     for model in registry.models:
-        missing = [g for g in model.gpus if g not in by_index]
-        if missing:
-            listed = f" ({', '.join(str(g.index) for g in gpus)})" if gpus else ""
-            errors.append(
-                f"model {model.name!r}: gpus {model.gpus} but this host has {len(gpus)} GPU(s){listed}; "
-                f"GPU {missing[0]} does not exist"
-            )
-            continue
-        for index in model.gpus:
-            users.setdefault(index, []).append(model.name)
-        if not model.gpus:
-            continue
-        available = sum(
-            by_index[g].memory_total_bytes for g in model.gpus
-        ) - model.reserve_vram_gb * GIB * len(model.gpus)
-        needed = weights_bytes(model)
-        if needed > available:
-            errors.append(
-                f"model {model.name!r}: its weights alone take {needed / GIB:.1f} GiB, more than the "
-                f"{available / GIB:.1f} GiB of gpus {model.gpus}; add GPUs or use a smaller quantization"
-            )
+        if model.remote:
+            continue  # its GPUs are on the hosts its workers run on
+        for replica in range(model.replicas):
+            errors += _check_replica(model, model.gpus_of_replica(replica), gpus, by_index, users)
     for index, names in sorted(users.items()):
         if len(names) > 1:
             warnings.append(

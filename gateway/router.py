@@ -72,7 +72,9 @@ class ModelRoute:
                 return None
             name = self.config.name
             return f"model '{name}' is unloaded; load it with POST /admin/models/{name}/load"
-        if all(r.state in ("failed", "stopped") for r in self.replicas):
+        if not self.replicas:
+            return f"model '{self.config.name}' has no connected worker"
+        if all(r.state in ("failed", "stopped", "lost") for r in self.replicas):
             reasons = "; ".join(r.detail or r.last_error or r.state for r in self.replicas)
             return f"model '{self.config.name}' is unavailable: {reasons}"
         return None
@@ -183,6 +185,8 @@ class Router:
 
     def on_worker_state(self, worker: WorkerHandle) -> None:
         route = self.routes.get(worker.model.name)
+        if route is not None and worker.remote and worker not in route.replicas:
+            route.replicas.append(worker)  # a remote worker joined
         if route is not None:
             try:
                 route.notify()

@@ -50,7 +50,9 @@ async def run_server(registry: Registry, host: str, port: int) -> None:
     gateway: Gateway = app.extensions["gateway"]
     config = HypercornConfig()
     config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
-    config.accesslog = None
+    config.accesslog = None  # gateway.request_log writes the access log, with request ids
+    # A logger, not a stream: Hypercorn's errors then go through our handler and format (JSON too).
+    config.errorlog = logging.getLogger("hypercorn.error")
     config.keep_alive_timeout = 75
     # In-flight streams are drained by _drain first; this only bounds what is left after it.
     config.graceful_timeout = 2.0

@@ -42,8 +42,9 @@ class Gateway:
         link = WorkerLink(
             f"ipc://{runtime_dir / 'workers.sock'}",
             LoadProgressLog().wrap(
-                lambda worker_id, message: supervisor_ref[0].on_message(worker_id, message)
+                lambda worker_id, message, remote: supervisor_ref[0].on_message(worker_id, message, remote)
             ),
+            registry.server.remote_workers,
         )
         supervisor = Supervisor(
             registry, link, lambda worker: router_ref and router_ref[0].on_worker_state(worker)

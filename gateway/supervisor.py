@@ -19,7 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from gateway.config import ModelConfig, Registry
+from gateway.config import ModelConfig, Registry, worker_spec
+from gateway.remote_workers import RemoteMembers
 from gateway.worker_link import StreamEnd, WorkerLink
 from model_worker import protocol as wire
 
@@ -51,6 +52,8 @@ class WorkerHandle:
     process: asyncio.subprocess.Process | None = None
     task: asyncio.Task[None] | None = None
     retiring: bool = False  # being unloaded or replaced: no restart when it exits
+    remote: bool = False  # a worker on another host: joined over tcp, never spawned by us
+    stale_rids: list[str] = field(default_factory=list)  # ended while it was lost: cancel on rejoin
 
     @property
     def ready(self) -> bool:
@@ -72,6 +75,7 @@ class WorkerHandle:
             "in_flight": self.in_flight,
             "outstanding_tokens": self.outstanding_tokens,
             "restarts": self.restarts,
+            "remote": self.remote,
             "last_error": self.last_error,
             "uptime_s": round(now - self.ready_at, 1) if self.ready_at and self.ready else None,
             "info": self.info,
@@ -92,6 +96,7 @@ class Supervisor:
         self._stopping = False
         self._idle_task: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[None]] = set()
+        self.remote = RemoteMembers(self)
         for model in registry.models:
             self.add(model)
 
@@ -101,6 +106,8 @@ class Supervisor:
         """One handle per replica; ids change per generation so a draining predecessor never clashes."""
         generation = self._generations.get(model.name, -1) + 1
         self._generations[model.name] = generation
+        if model.remote:
+            return []  # its workers join over the network
         handles = []
         for replica in range(model.replicas):
             suffix = f"-r{replica}" if model.replicas > 1 else ""
@@ -124,7 +131,7 @@ class Supervisor:
 
     def launch(self, handle: WorkerHandle) -> None:
         """Start (or restart after an unload) the worker of a handle; idempotent while it runs."""
-        if self._stopping or (handle.task is not None and not handle.task.done()):
+        if self._stopping or handle.remote or (handle.task is not None and not handle.task.done()):
             return
         handle.retiring, handle.consecutive_failures = False, 0
         handle.last_used = time.monotonic()
@@ -186,16 +193,25 @@ class Supervisor:
             if handle.state in ("ready", "starting", "loading", "warming"):
                 self._set_state(handle, "draining", "shutting down")
 
-    def on_message(self, worker_id: str, message: wire.Message) -> None:
+    def on_message(self, worker_id: str, message: wire.Message, remote: bool = False) -> None:
         handle = self.workers.get(worker_id)
+        if handle is not None and handle.remote != remote:
+            logger.warning("frame for worker %s on the wrong socket dropped", worker_id)
+            return
         if handle is None:
-            logger.warning("frame from unknown worker %s dropped", worker_id)
+            if remote:
+                self.remote.on_unknown(worker_id, message)
+            else:
+                logger.warning("frame from unknown worker %s dropped", worker_id)
+            return
+        if remote and isinstance(message, wire.Hello):
+            self.remote.rejoin(handle, message)
             return
         if isinstance(message, wire.Heartbeat):
             handle.stats = message.stats
         elif isinstance(message, wire.Status):
             handle.detail, handle.progress = message.detail, message.progress
-            if message.state in ("loading", "warming"):
+            if message.state in ("loading", "warming", "draining"):
                 self._set_state(handle, message.state, message.detail)
         elif isinstance(message, wire.Ready):
             if self._stopping or handle.retiring or handle.state == "draining":
@@ -247,28 +263,6 @@ class Supervisor:
             backoff = min(backoff * 2, server.restart_backoff_max_s)
             handle.restarts += 1
 
-    def _spec(self, model: ModelConfig) -> dict[str, Any]:
-        settings = {
-            "path": str(model.path),
-            "max_seq_len": model.max_seq_len,
-            "max_batch_size": model.max_batch_size,
-            "max_chunk_size": model.max_chunk_size,
-            "cache_size": model.cache_size,
-            "cache_mode": model.cache_mode,
-            "gpu_split": model.gpu_split,
-            "reserve_vram_gb": model.reserve_vram_gb,
-            "dtype": model.dtype,
-            "threads": model.threads,
-            "draft_path": str(model.draft_path) if model.draft_path else None,
-        }
-        return {
-            "name": model.name,
-            "engine": model.engine,
-            "settings": settings,
-            "chat_template": model.chat_template,
-            "heartbeat_interval_s": self.registry.server.heartbeat_interval_s,
-        }
-
     async def _spawn(self, handle: WorkerHandle) -> None:
         model = handle.model
         env = dict(os.environ)
@@ -287,7 +281,7 @@ class Supervisor:
             "--worker-id",
             handle.id,
             "--spec",
-            json.dumps(self._spec(model)),
+            json.dumps(worker_spec(model, self.registry.server.heartbeat_interval_s)),
             "--parent-pid",
             str(os.getpid()),
             env=env,
@@ -323,6 +317,12 @@ class Supervisor:
             elif handle.in_flight and now - self.link.last_progress.get(handle.id, now) > wedge_timeout_s:
                 handle.last_error = f"jobs in flight but no generator step for {wedge_timeout_s:g}s (wedged)"
                 self._kill(handle)
+
+    def fail_requests(self, handle: WorkerHandle, reason: str) -> None:
+        self._fail_requests(handle, reason)
+
+    def set_state(self, handle: WorkerHandle, state: str, detail: str) -> None:
+        self._set_state(handle, state, detail)
 
     def _fail_requests(self, handle: WorkerHandle, reason: str) -> None:
         was_ready = handle.ready

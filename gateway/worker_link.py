@@ -13,11 +13,13 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import zmq
 import zmq.asyncio
 
+from gateway.config import ConfigError, RemoteWorkersConfig
 from model_worker import protocol as wire
 
 logger = logging.getLogger(__name__)
@@ -60,27 +62,47 @@ class RequestStream:
         return True
 
 
-LifecycleCallback = Callable[[str, wire.Message], None]
+def check_remote_keys(remote: RemoteWorkersConfig) -> tuple[bytes, bytes, list[Path]]:
+    """The gateway's CURVE key pair and the authorized worker keys; ConfigError if unusable."""
+    import zmq.auth
+
+    try:
+        public, secret = zmq.auth.load_certificate(str(remote.secret_key_file))
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{remote.secret_key_file}: cannot read the CURVE secret key: {exc}") from None
+    if secret is None:
+        raise ConfigError(f"{remote.secret_key_file}: not a CURVE secret key file (make one: gateway keys)")
+    authorized = sorted(Path(remote.authorized_keys_dir).glob("*.key"))
+    if not authorized:
+        raise ConfigError(
+            f"{remote.authorized_keys_dir}: no authorized worker keys (*.key); refusing to listen on tcp"
+        )
+    return public, secret, authorized
+
+
+# (worker id, message, whether it came over the remote tcp listener)
+LifecycleCallback = Callable[[str, wire.Message, bool], None]
 
 
 class WorkerLink:
-    def __init__(self, endpoint: str, on_lifecycle: LifecycleCallback) -> None:
+    def __init__(
+        self, endpoint: str, on_lifecycle: LifecycleCallback, remote: RemoteWorkersConfig | None = None
+    ) -> None:
         self.endpoint = endpoint
+        self.remote = remote
         self._on_lifecycle = on_lifecycle
         self._ctx = zmq.asyncio.Context()
-        self._sock = self._ctx.socket(zmq.ROUTER)
-        self._sock.setsockopt(zmq.MAXMSGSIZE, wire.MAX_SOCKET_MESSAGE_BYTES)
-        self._sock.setsockopt(zmq.SNDHWM, 100_000)
-        self._sock.setsockopt(zmq.RCVHWM, 100_000)
-        # Fail loudly instead of silently dropping frames addressed to a worker that is gone.
-        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock = self._router_socket()
+        self._remote_sock: zmq.asyncio.Socket | None = None
+        self._authenticator: Any = None
+        # Which socket reaches each worker: replies go back the way the worker came in.
+        self._socket_of: dict[str, zmq.asyncio.Socket] = {}
         self._streams: dict[str, RequestStream] = {}
         # When each worker last sent anything: any frame proves it alive, not only heartbeats.
         self.last_seen: dict[str, float] = {}
         # When each worker last made progress (a Step frame) or was handed a job: wedge detection.
         self.last_progress: dict[str, float] = {}
-        self._reader: asyncio.Task[None] | None = None
+        self._readers: list[asyncio.Task[None]] = []
         self._dispatch: dict[type[wire.Message], Callable[[str, Any], None]] = {
             wire.Step: self._on_step,
             wire.Accepted: self._on_reply,
@@ -88,18 +110,50 @@ class WorkerLink:
             wire.Tokens: self._on_reply,
         }
 
+    def _router_socket(self) -> zmq.asyncio.Socket:
+        sock = self._ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.MAXMSGSIZE, wire.MAX_SOCKET_MESSAGE_BYTES)
+        sock.setsockopt(zmq.SNDHWM, 100_000)
+        sock.setsockopt(zmq.RCVHWM, 100_000)
+        # Fail loudly instead of silently dropping frames addressed to a worker that is gone.
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        sock.setsockopt(zmq.LINGER, 0)
+        return sock
+
     async def start(self) -> None:
         self._sock.bind(self.endpoint)
-        self._reader = asyncio.create_task(self._read_forever(), name="worker-link-reader")
+        self._readers = [asyncio.create_task(self._read_forever(self._sock, False), name="worker-link-ipc")]
+        if self.remote is not None:
+            self._remote_sock = self._start_remote_listener(self.remote)
+            reader = asyncio.create_task(self._read_forever(self._remote_sock, True), name="worker-link-tcp")
+            self._readers.append(reader)
+
+    def _start_remote_listener(self, remote: RemoteWorkersConfig) -> zmq.asyncio.Socket:
+        """tcp with CURVE: traffic is encrypted and only workers whose public key is authorized get in."""
+        from zmq.auth.asyncio import AsyncioAuthenticator
+
+        public, secret, authorized = check_remote_keys(remote)
+        self._authenticator = AsyncioAuthenticator(self._ctx)
+        self._authenticator.start()
+        # ZAP checks each connecting worker's key against the files in this folder.
+        self._authenticator.configure_curve(domain="*", location=str(remote.authorized_keys_dir))
+        sock = self._router_socket()
+        sock.curve_secretkey = secret
+        sock.curve_publickey = public
+        sock.curve_server = True
+        sock.bind(remote.bind)
+        logger.info("remote workers: listening on %s (%d authorized key(s))", remote.bind, len(authorized))
+        return sock
 
     async def close(self) -> None:
-        if self._reader is not None:
-            self._reader.cancel()
-            try:
-                await self._reader
-            except asyncio.CancelledError:
-                pass
+        for reader in self._readers:
+            reader.cancel()
+        await asyncio.gather(*self._readers, return_exceptions=True)
         self._sock.close()
+        if self._remote_sock is not None:
+            self._remote_sock.close()
+        if self._authenticator is not None:
+            self._authenticator.stop()
         self._ctx.term()
 
     # ---- sending -----------------------------------------------------------------------------
@@ -108,7 +162,8 @@ class WorkerLink:
         if isinstance(message, wire.Generate):
             self.last_progress[worker_id] = time.monotonic()
         try:
-            self._sock.send_multipart([worker_id.encode(), wire.encode(message)], zmq.NOBLOCK)
+            sock = self._socket_of.get(worker_id, self._sock)
+            sock.send_multipart([worker_id.encode(), wire.encode(message)], zmq.NOBLOCK)
             return True
         except zmq.ZMQError as exc:  # EHOSTUNREACH (worker gone) or EAGAIN (worker not reading)
             logger.warning("could not send %s to worker %s: %s", type(message).__name__, worker_id, exc)
@@ -139,10 +194,10 @@ class WorkerLink:
 
     # ---- receiving ---------------------------------------------------------------------------
 
-    async def _read_forever(self) -> None:
+    async def _read_forever(self, sock: zmq.asyncio.Socket, remote: bool) -> None:
         while True:
             try:
-                frames = await self._sock.recv_multipart()
+                frames = await sock.recv_multipart()
             except zmq.ZMQError as exc:
                 logger.error("worker socket receive failed: %s", exc)
                 await asyncio.sleep(0.1)
@@ -152,6 +207,7 @@ class WorkerLink:
                 continue
             worker_id = frames[0].decode(errors="replace")
             self.last_seen[worker_id] = time.monotonic()
+            self._socket_of[worker_id] = sock
             try:
                 message = wire.decode(frames[1])
             except wire.ProtocolError as exc:
@@ -162,7 +218,7 @@ class WorkerLink:
                 if handler is not None:
                     handler(worker_id, message)
                 else:
-                    self._on_lifecycle(worker_id, message)
+                    self._on_lifecycle(worker_id, message, remote)
             except Exception:  # one bad message must not stop the reader for every request
                 logger.exception("error handling %s from worker %s", type(message).__name__, worker_id)
 

@@ -13,7 +13,10 @@ import json
 import logging
 import os
 import signal
+import socket
 import sys
+
+from model_worker import log_format
 
 logger = logging.getLogger("model_worker")
 
@@ -31,39 +34,111 @@ def _die_with_parent() -> None:
         logger.warning("prctl(PR_SET_PDEATHSIG) unavailable; relying on the parent-pid watch")
 
 
+def _route_transformers_logs() -> None:
+    """transformers writes through its own stderr handler, which would break JSON mode's one object
+    per line; send its records through ours instead (only for workers that import it anyway)."""
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:
+        return
+    hf_logging.disable_default_handler()
+    hf_logging.enable_propagation()
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="model-worker", description=__doc__.splitlines()[0])
     parser.add_argument("--connect", required=True, help="gateway endpoint, e.g. ipc:///run/gw/workers.sock")
-    parser.add_argument("--worker-id", required=True)
-    parser.add_argument("--spec", required=True, help="JSON worker spec written by the gateway")
+    parser.add_argument("--worker-id", default=None, help="default for remote workers: MODEL@HOST-PID")
+    parser.add_argument("--spec", default=None, help="JSON worker spec written by the gateway")
+    parser.add_argument("--config", default=None, help="remote workers: the registry file (models.yaml)")
+    parser.add_argument("--model", default=None, help="remote workers: which model of --config to serve")
+    parser.add_argument("--curve-secret-key", default=None, help="this worker's CURVE secret key file")
+    parser.add_argument("--gateway-public-key", default=None, help="the gateway's CURVE public key file")
     parser.add_argument(
         "--gpus", default=None, help="comma-separated GPU indices (sets CUDA_VISIBLE_DEVICES)"
     )
     parser.add_argument("--parent-pid", type=int, default=None, help="exit when this process is gone")
+    parser.add_argument(
+        "--shutdown-grace-s",
+        type=float,
+        default=None,
+        help="on SIGTERM, let jobs finish this long (remote: 30)",
+    )
     parser.add_argument("--log-level", default=os.environ.get("LOG_LEVEL", "INFO"))
     return parser.parse_args(argv)
 
 
+def _remote_spec(args: argparse.Namespace) -> dict[str, object]:
+    """A worker started by hand on another host reads its model from the same registry file."""
+    from gateway.config import load_registry, worker_spec
+
+    registry = load_registry(args.config)
+    model = registry.model(args.model)
+    if model is None or not model.remote:
+        raise SystemExit(f"model-worker: {args.config} has no remote model named {args.model!r}")
+    if args.worker_id is None:
+        args.worker_id = f"{model.name}@{socket.gethostname()}-{os.getpid()}"
+    return worker_spec(model, registry.server.heartbeat_interval_s)
+
+
+def _curve_keys(args: argparse.Namespace) -> tuple[bytes, bytes, bytes] | None:
+    if args.curve_secret_key is None and args.gateway_public_key is None:
+        return None
+    if args.curve_secret_key is None or args.gateway_public_key is None:
+        raise SystemExit("model-worker: --curve-secret-key and --gateway-public-key go together")
+    import zmq.auth
+
+    public, secret = zmq.auth.load_certificate(args.curve_secret_key)
+    gateway_public, _ = zmq.auth.load_certificate(args.gateway_public_key)
+    if secret is None:
+        raise SystemExit(f"model-worker: {args.curve_secret_key} holds no secret key")
+    return public, secret, gateway_public
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(),
-        format=f"%(asctime)s %(levelname)s worker={args.worker_id} %(name)s: %(message)s",
-    )
+    if args.spec is None:
+        if args.config is None or args.model is None:
+            raise SystemExit("model-worker: give --spec (spawned by the gateway) or --config and --model")
+        from gateway.config import ConfigError  # only remote workers read the registry themselves
+
+        try:
+            args.spec = json.dumps(_remote_spec(args))
+        except ConfigError as exc:
+            raise SystemExit(f"model-worker: {exc}") from None
+    if args.worker_id is None:
+        raise SystemExit("model-worker: --worker-id is required with --spec")
+    if args.connect.startswith("tcp://") and args.curve_secret_key is None:
+        raise SystemExit("model-worker: a tcp connection needs --curve-secret-key and --gateway-public-key")
+    try:
+        fmt = log_format.resolve_format(None, os.environ)  # LOG_FORMAT, inherited from the gateway
+    except ValueError:
+        fmt = "text"  # the gateway checked it already; a worker never fails over how it logs
+    context = log_format.StaticContext(worker=args.worker_id)
+    log_format.install(args.log_level, fmt, context)
     if args.gpus is not None:
         # Must precede any torch import (engines import torch lazily) or CUDA sees every GPU.
         os.environ["CUDA_VISIBLE_DEVICES"] = args.gpus
-    _die_with_parent()
+    if args.parent_pid is not None:  # spawned by a local gateway: never outlive it
+        _die_with_parent()
     try:
         spec = json.loads(args.spec)
     except json.JSONDecodeError as exc:
         logger.error("invalid --spec: %s", exc)
         return 2
+    if isinstance(spec, dict) and isinstance(spec.get("name"), str):
+        context.fields["model"] = spec["name"]
+    if isinstance(spec, dict) and spec.get("engine") == "transformers":
+        _route_transformers_logs()
 
     from model_worker.serve_loop import Worker
 
-    worker = Worker(args.worker_id, args.connect, spec, parent_pid=args.parent_pid or os.getppid())
-    signal.signal(signal.SIGTERM, lambda *_: worker.request_stop(grace_s=0.0))
+    worker = Worker(args.worker_id, args.connect, spec, parent_pid=args.parent_pid, curve=_curve_keys(args))
+    # A local worker is drained by its gateway (Shutdown with a grace); a remote one drains itself.
+    grace_s = (
+        args.shutdown_grace_s if args.shutdown_grace_s is not None else (0.0 if args.parent_pid else 30.0)
+    )
+    signal.signal(signal.SIGTERM, lambda *_: worker.request_stop(grace_s=grace_s))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the gateway decides
     return worker.run()
 

@@ -208,6 +208,14 @@ class Shutdown(Message):
 
 
 @dataclass(frozen=True, slots=True)
+class Reintroduce(Message):
+    """The gateway does not know this worker (it restarted): send Hello, and Ready if ready."""
+
+    TAG: ClassVar[str] = "reintro"
+    SPEC: ClassVar[_Spec] = {}
+
+
+@dataclass(frozen=True, slots=True)
 class Hello(Message):
     """First frame from a worker: who it is and which protocol it speaks."""
 
@@ -318,7 +326,7 @@ class Fatal(Message):
 _MESSAGE_TYPES: dict[str, type[Message]] = {
     cls.TAG: cls
     for cls in (
-        Generate, Tokenize, Detokenize, Cancel, Shutdown,
+        Generate, Tokenize, Detokenize, Cancel, Shutdown, Reintroduce,
         Hello, Status, Ready, Accepted, Rejected, Tokens, Step, Heartbeat, Fatal,
     )
 }  # fmt: skip

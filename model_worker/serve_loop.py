@@ -20,6 +20,7 @@ import zmq
 from model_worker import protocol as wire
 from model_worker.chat_template import ChatTemplate, TemplateError
 from model_worker.engines.base import Engine, EngineSettings, RequestRejected, load_engine
+from model_worker.handshake_watch import HandshakeWatch
 
 logger = logging.getLogger(__name__)
 
@@ -30,7 +31,14 @@ WARMUP_PROMPT = (
 
 
 class Worker:
-    def __init__(self, worker_id: str, endpoint: str, spec: dict[str, Any], parent_pid: int) -> None:
+    def __init__(
+        self,
+        worker_id: str,
+        endpoint: str,
+        spec: dict[str, Any],
+        parent_pid: int | None,
+        curve: tuple[bytes, bytes, bytes] | None = None,
+    ) -> None:
         self.worker_id = worker_id
         self.endpoint = endpoint
         self.spec = spec
@@ -40,6 +48,8 @@ class Worker:
         self.engine: Engine | None = None
         self.chat_template: ChatTemplate | None = None
         self._stop_deadline: float | None = None
+        self._ready_info: dict[str, Any] | None = None
+        self._announce_draining = False
         self._live_rids: set[str] = set()
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
@@ -49,6 +59,12 @@ class Worker:
         self._sock.setsockopt(zmq.RCVHWM, 10_000)
         # Linger so the final Fatal/Heartbeat frames are flushed when we exit.
         self._sock.setsockopt(zmq.LINGER, 2000)
+        self._handshake: HandshakeWatch | None = None
+        if curve is not None:
+            # (own public key, own secret key, the gateway's public key): encrypted, and the gateway
+            # admits only authorized worker keys.
+            self._sock.curve_publickey, self._sock.curve_secretkey, self._sock.curve_serverkey = curve
+            self._handshake = HandshakeWatch(self._sock)
         self._poller = zmq.Poller()
         self._poller.register(self._sock, zmq.POLLIN)
         self._handlers: dict[type[wire.Message], Callable[[Any], None]] = {
@@ -57,6 +73,7 @@ class Worker:
             wire.Tokenize: self._on_tokenize,
             wire.Detokenize: self._on_detokenize,
             wire.Shutdown: self._on_shutdown,
+            wire.Reintroduce: self._on_reintroduce,
         }
 
     # ---- lifecycle -------------------------------------------------------------------------
@@ -68,9 +85,15 @@ class Worker:
         if self._stop_deadline is None or deadline < self._stop_deadline:
             self._stop_deadline = deadline
         self.state = "draining"
+        # May run in a signal handler: the socket is touched only by the loop, which sees this flag.
+        self._announce_draining = True
 
     def run(self) -> int:
         self._sock.connect(self.endpoint)
+        # Before loading anything: a gateway that refuses our key gets a clear exit, not a silent worker.
+        if self._handshake is not None and self._handshake.refused(wait_s=10.0):
+            logger.error("the gateway at %s refused this worker's CURVE key; exiting", self.endpoint)
+            return 3
         self._send(wire.Hello(wire.PROTOCOL_VERSION, self.worker_id, os.getpid()))
         try:
             self._load_and_warm()
@@ -88,6 +111,8 @@ class Worker:
                     self.engine.close()
                 except Exception:  # closing is best effort; the process exits next
                     logger.debug("engine close failed", exc_info=True)
+            if self._handshake is not None:
+                self._handshake.close()
             self._sock.close()
             self._ctx.term()
         return 0
@@ -112,6 +137,7 @@ class Worker:
         info.update(pid=os.getpid(), load_s=round(load_s, 3), warmup_s=round(warm_s, 3))
         info["chat_template"] = self.chat_template is not None
         self.state = "ready"
+        self._ready_info = info
         self._send(wire.Ready(info))
         logger.info("ready (warm-up %.2fs)", warm_s)
 
@@ -149,10 +175,16 @@ class Worker:
                             self._live_rids.discard(output.rid)
                     self._send(wire.Step(outputs))
             now = time.monotonic()
+            if self._announce_draining:
+                self._announce_draining = False
+                self._status("draining", "shutting down")  # the gateway stops routing to us
             if now - last_heartbeat >= self.heartbeat_interval_s:
                 last_heartbeat = now
+                if self._handshake is not None and self._handshake.refused():
+                    logger.error("the gateway at %s refused this worker's CURVE key; exiting", self.endpoint)
+                    return
                 self._send(wire.Heartbeat(self._stats()))
-                if os.getppid() != self.parent_pid:
+                if self.parent_pid is not None and os.getppid() != self.parent_pid:
                     logger.warning("gateway (pid %s) is gone; exiting", self.parent_pid)
                     return
             if self._stop_deadline is not None:
@@ -262,6 +294,11 @@ class Worker:
         self._live_rids.discard(msg.rid)
         if self.engine.cancel(msg.rid):
             logger.debug("cancelled %s", msg.rid)
+
+    def _on_reintroduce(self, msg: wire.Reintroduce) -> None:
+        self._send(wire.Hello(wire.PROTOCOL_VERSION, self.worker_id, os.getpid()))
+        if self.state == "ready" and self._ready_info is not None:
+            self._send(wire.Ready(self._ready_info))
 
     def _on_shutdown(self, msg: wire.Shutdown) -> None:
         logger.info("shutdown requested (grace %.1fs)", msg.grace_s)

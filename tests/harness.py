@@ -88,6 +88,21 @@ class GatewayProcess:
             time.sleep(0.2)
         raise TimeoutError(f"gateway not ready after {timeout}s: {last}\n{self.log()}")
 
+    def wait_until_live(self, timeout: float = 60.0) -> None:
+        """The HTTP server answers (models may still be loading, or have no worker yet)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.process is not None
+            if self.process.poll() is not None:
+                raise RuntimeError(f"gateway exited with {self.process.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(self.url + "/health/live", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        raise TimeoutError(f"gateway not live after {timeout}s:\n{self.log()}")
+
     def workers(self) -> list[dict[str, Any]]:
         return httpx.get(self.url + "/admin/workers", timeout=5).json()["workers"]  # type: ignore[no-any-return]
 

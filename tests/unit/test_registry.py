@@ -132,3 +132,31 @@ def test_check_config_cli_reports_cleanly(tmp_path: Path) -> None:
     )
     assert good.returncode == 0, good.stderr
     assert "ok: demo-small" in good.stdout
+
+
+def test_remote_model_needs_a_listener(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"remote, but server.remote_workers is not configured"):
+        load_registry(
+            write(tmp_path, "models:\n  - {name: r, engine: transformers, path: x, remote: true}\n")
+        )
+    text = (
+        "server:\n  remote_workers: {bind: 'tcp://0.0.0.0:5555', secret_key_file: k/gw.key_secret,"
+        " authorized_keys_dir: k/ok}\n"
+        "models:\n  - {name: r, engine: transformers, path: x, remote: true}\n"
+    )
+    registry = load_registry(write(tmp_path, text))
+    remote = registry.server.remote_workers
+    assert remote is not None and remote.authorized_keys_dir == (tmp_path / "k/ok").resolve()
+    with pytest.raises(ConfigError, match="field 'server.remote_workers.bind'|remote_workers"):
+        load_registry(write(tmp_path, text.replace("tcp://0.0.0.0:5555", "ipc:///x")))
+
+
+def test_replica_gpus_must_match_replicas(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="replica_gpus needs one GPU list per replica"):
+        load_registry(
+            write(tmp_path, "models:\n  - {name: m, path: x, gpus: [0], replicas: 2, replica_gpus: [[0]]}\n")
+        )
+    registry = load_registry(
+        write(tmp_path, "models:\n  - {name: m, path: x, replicas: 2, replica_gpus: [[0], [1]]}\n")
+    )
+    assert [registry.models[0].gpus_of_replica(r) for r in range(2)] == [[0], [1]]

@@ -1,0 +1,199 @@
+"""Remote workers over tcp with CURVE: who may join, losing contact, rejoining, refusing to start."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import zmq
+
+from model_worker import protocol as wire
+from tests.harness import REPO_ROOT, GatewayProcess, free_port
+from tests.integration.conftest import demo_entry, write_registry
+
+
+def wait_for(predicate, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+class Setup:
+    def __init__(self, root: Path, model_dir: Path) -> None:
+        self.keys = root / "keys"
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "gateway",
+                "keys",
+                str(self.keys),
+                "--name",
+                "gateway",
+                "--name",
+                "good",
+                "--name",
+                "bad",
+            ],
+            check=True,
+            cwd=REPO_ROOT,
+            capture_output=True,
+        )
+        self.authorized = root / "authorized"
+        self.authorized.mkdir()
+        shutil.copy(self.keys / "good.key", self.authorized)
+        self.port = free_port()
+        self.config = write_registry(
+            root / "models.yaml",
+            [demo_entry("local", model_dir), demo_entry("far", model_dir, remote=True)],
+            heartbeat_timeout_s=2,
+            remote_workers={
+                "bind": f"tcp://127.0.0.1:{self.port}",
+                "secret_key_file": str(self.keys / "gateway.key_secret"),
+                "authorized_keys_dir": str(self.authorized),
+            },
+        )
+        self.root = root
+
+    def worker(self, name: str, key: str) -> subprocess.Popen[bytes]:
+        cmd = [
+            sys.executable, "-m", "model_worker", "--connect", f"tcp://127.0.0.1:{self.port}",
+            "--config", str(self.config), "--model", "far", "--worker-id", name,
+            "--curve-secret-key", str(self.keys / f"{key}.key_secret"),
+            "--gateway-public-key", str(self.keys / "gateway.key"),
+        ]  # fmt: skip
+        with open(self.root / f"{name}.log", "wb") as log:  # the child keeps its own copy of the fd
+            return subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory: pytest.TempPathFactory, demo_model_dir: Path) -> Setup:
+    return Setup(tmp_path_factory.mktemp("remote"), demo_model_dir)
+
+
+@pytest.fixture(scope="module")
+def gateway(setup: Setup) -> Iterator[GatewayProcess]:
+    with GatewayProcess(setup.config, wait_ready=False) as gw:
+        wait_for(lambda: _live(gw), 60, "the gateway")
+        yield gw
+
+
+@pytest.fixture(scope="module")
+def good_worker(setup: Setup, gateway: GatewayProcess) -> Iterator[subprocess.Popen[bytes]]:
+    worker = setup.worker("far@good", "good")
+    wait_for(lambda: _state(gateway, "far@good") == "ready", 60, "the remote worker")
+    yield worker
+    worker.kill()
+    worker.wait(10)
+
+
+def _live(gateway: GatewayProcess) -> bool:
+    try:
+        return httpx.get(gateway.url + "/health/live", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _state(gateway: GatewayProcess, worker_id: str) -> str | None:
+    found = [w for w in gateway.workers() if w["id"] == worker_id]
+    return str(found[0]["state"]) if found else None
+
+
+def test_authorized_worker_joins_and_serves(
+    gateway: GatewayProcess, good_worker: subprocess.Popen[bytes]
+) -> None:
+    info = next(w for w in gateway.workers() if w["id"] == "far@good")
+    assert info["remote"] is True and info["pid"] == good_worker.pid and info["model"] == "far"
+    reply = httpx.post(
+        gateway.url + "/v1/completions", json={"model": "far", "prompt": "hi", "max_tokens": 5}
+    )
+    assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 5
+    assert httpx.get(gateway.url + "/health/ready", timeout=5).status_code == 200
+
+
+def test_unknown_key_and_plaintext_cannot_exchange_a_message(
+    setup: Setup, gateway: GatewayProcess, good_worker: subprocess.Popen[bytes]
+) -> None:
+    intruder = setup.worker("far@intruder", "bad")
+    ctx = zmq.Context()
+    plain = ctx.socket(zmq.DEALER)
+    plain.setsockopt(zmq.IDENTITY, b"far@plain")
+    plain.connect(f"tcp://127.0.0.1:{setup.port}")
+    plain.send(wire.encode(wire.Hello(wire.PROTOCOL_VERSION, "far@plain", 1)))
+    try:
+        # The intruder learns at its handshake that it was refused, and exits before loading anything.
+        assert intruder.wait(30) == 3
+        assert "refused this worker's CURVE key" in (setup.root / "far@intruder.log").read_text()
+        time.sleep(1)
+        ids = {w["id"] for w in gateway.workers()}
+        assert "far@intruder" not in ids and "far@plain" not in ids
+        log = gateway.log()
+        assert "far@intruder" not in log and "far@plain" not in log
+    finally:
+        intruder.kill()
+        intruder.wait(10)
+        plain.close(0)
+        ctx.term()
+
+
+def test_lost_contact_fails_requests_then_rejoins_without_duplicates(
+    gateway: GatewayProcess, good_worker: subprocess.Popen[bytes]
+) -> None:
+    body = {"model": "far", "prompt": "long", "max_tokens": 1500, "ignore_eos": True, "stream": True}
+    events: list[str] = []
+    with httpx.stream("POST", gateway.url + "/v1/completions", json=body, timeout=30) as response:
+        lines = response.iter_lines()
+        next(lines)
+        os.kill(good_worker.pid, signal.SIGSTOP)  # the host vanishes: no frames, no FIN
+        started = time.monotonic()
+        events = [line for line in lines if line.startswith(("event:", "data:"))]
+    assert time.monotonic() - started < 6
+    assert events[-3] == "event: error" and "lost contact" in json.loads(events[-2][6:])["error"]["message"]
+    assert _state(gateway, "far@good") == "lost"
+    assert httpx.get(gateway.url + "/health/ready", timeout=5).status_code == 503
+    refused = httpx.post(gateway.url + "/v1/completions", json={"model": "far", "prompt": "x"}, timeout=10)
+    assert refused.status_code == 503
+
+    os.kill(good_worker.pid, signal.SIGCONT)  # the link is back
+    wait_for(lambda: _state(gateway, "far@good") == "ready", 15, "the worker to rejoin")
+    worker = next(w for w in gateway.workers() if w["id"] == "far@good")
+    # The job of the ended request was cancelled on rejoin, not resumed: nothing runs twice.
+    wait_for(
+        lambda: next(w for w in gateway.workers() if w["id"] == "far@good")["active_jobs"] == 0,
+        5,
+        "the stale job to be cancelled",
+    )
+    assert worker["pid"] == good_worker.pid
+    reply = httpx.post(
+        gateway.url + "/v1/completions", json={"model": "far", "prompt": "hi", "max_tokens": 3}
+    )
+    assert reply.status_code == 200
+
+
+def test_tcp_listener_without_authorized_keys_refuses_to_start(setup: Setup, tmp_path: Path) -> None:
+    empty = tmp_path / "nobody"
+    empty.mkdir()
+    config = tmp_path / "models.yaml"
+    raw = setup.config.read_text().replace(str(setup.authorized), str(empty))
+    config.write_text(raw)
+    result = subprocess.run(
+        [sys.executable, "-m", "gateway", "serve", "--config", str(config), "--port", "0"],
+        capture_output=True,
+        text=True,
+        cwd=REPO_ROOT,
+        timeout=60,
+    )
+    assert result.returncode == 2
+    assert "no authorized worker keys" in result.stderr and "Traceback" not in result.stderr
