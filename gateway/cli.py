@@ -53,7 +53,8 @@ def _cmd_check_config(args: argparse.Namespace) -> int:
     registry = load_registry(args.config)
     for model in registry.models:
         missing = "" if model.path.exists() else "  (path does not exist yet)"
-        where = f"gpus {model.gpus}" if model.gpus else "cpu"
+        placements = [model.gpus_of_replica(r) for r in range(model.replicas)]
+        where = "remote" if model.remote else ", ".join(f"gpus {g}" if g else "cpu" for g in placements)
         print(f"ok: {model.name} [{model.engine}, {where}] {model.path}{missing}")
     keys_path = keys_file_path(registry)
     if keys_path is not None:

@@ -47,6 +47,8 @@ class WorkerHandle:
     spawned_at: float = 0.0
     ready_at: float | None = None
     in_flight: int = 0
+    tokens_per_s: float = 0.0
+    rate_at: float = 0.0
     outstanding_tokens: int = 0  # prompt + max_tokens of its requests in flight: the routing load
     last_used: float = field(default_factory=time.monotonic)
     process: asyncio.subprocess.Process | None = None
@@ -74,6 +76,7 @@ class WorkerHandle:
             "queued_jobs": int(self.stats.get("queued_jobs", 0)),
             "in_flight": self.in_flight,
             "outstanding_tokens": self.outstanding_tokens,
+            "tokens_per_s": round(self.tokens_per_s, 1),
             "restarts": self.restarts,
             "remote": self.remote,
             "last_error": self.last_error,
@@ -208,6 +211,7 @@ class Supervisor:
             self.remote.rejoin(handle, message)
             return
         if isinstance(message, wire.Heartbeat):
+            self._update_rate(handle, message.stats)
             handle.stats = message.stats
         elif isinstance(message, wire.Status):
             handle.detail, handle.progress = message.detail, message.progress
@@ -317,6 +321,16 @@ class Supervisor:
             elif handle.in_flight and now - self.link.last_progress.get(handle.id, now) > wedge_timeout_s:
                 handle.last_error = f"jobs in flight but no generator step for {wedge_timeout_s:g}s (wedged)"
                 self._kill(handle)
+
+    @staticmethod
+    def _update_rate(handle: WorkerHandle, stats: dict[str, Any]) -> None:
+        """tokens/s between heartbeats, smoothed, for /admin/workers and the dashboard."""
+        now, tokens = time.monotonic(), stats.get("generated_tokens")
+        previous = handle.stats.get("generated_tokens")
+        if isinstance(tokens, int) and isinstance(previous, int) and now > handle.rate_at > 0:
+            rate = max(tokens - previous, 0) / (now - handle.rate_at)
+            handle.tokens_per_s += (rate - handle.tokens_per_s) * 0.5
+        handle.rate_at = now
 
     def fail_requests(self, handle: WorkerHandle, reason: str) -> None:
         self._fail_requests(handle, reason)

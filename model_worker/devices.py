@@ -30,3 +30,17 @@ def cuda_devices() -> list[dict[str, Any]]:
             "memory_total_mib": round(total / 2**20),
         })  # fmt: skip
     return devices
+
+
+def gpu_memory_used_bytes() -> dict[str, int]:
+    """Device-wide memory in use per visible GPU, keyed by the host's GPU index (for heartbeats)."""
+    import torch
+
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return {}
+    visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    used = {}
+    for index in range(torch.cuda.device_count()):
+        free, total = torch.cuda.mem_get_info(index)
+        used[visible[index] if index < len(visible) else str(index)] = int(total - free)
+    return used

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from model_worker.devices import cuda_devices
+from model_worker.devices import cuda_devices, gpu_memory_used_bytes
 from model_worker.engines.base import (
     GREEDY_BELOW_TEMPERATURE,
     EngineSettings,
@@ -59,6 +59,7 @@ class _Job:
 
 class ExLlamaV2Engine:
     def __init__(self, settings: EngineSettings) -> None:
+        self._jobs_per_step = 0.0
         self.settings = settings
         self._jobs: dict[str, _Job] = {}
         self._exl: Any = None  # the exllamav2 modules and torch, bound in load()
@@ -295,8 +296,11 @@ class ExLlamaV2Engine:
         return False
 
     def step(self) -> list[JobOutput]:
+        active = len(self.generator.active_jobs)
         results = self.generator.iterate()  # an exception here is fatal for the worker: let it rise
         self._counters["steps"] += 1
+        # How well batching is used: a moving average over the last ~20 steps.
+        self._jobs_per_step += (active - self._jobs_per_step) * 0.05
         merged: dict[str, PartialOutput] = {}
         for result in results:
             state = self._jobs.get(result.get("identifier"))  # type: ignore[arg-type]
@@ -349,10 +353,16 @@ class ExLlamaV2Engine:
 
     def stats(self) -> dict[str, Any]:
         generator = self.generator
+        total_pages = len(getattr(generator, "all_pages", None) or []) or int(
+            getattr(generator, "max_pages", 0) or 0
+        )
         return {
             "active_jobs": len(generator.active_jobs) if generator else 0,
             "queued_jobs": len(generator.pending_jobs) if generator else 0,
             "free_cache_pages": len(generator.unreferenced_pages) if generator else 0,
+            "total_cache_pages": total_pages,
+            "jobs_per_step": round(self._jobs_per_step, 3),
+            "gpu_memory_used_bytes": gpu_memory_used_bytes(),
             "steps": self._counters["steps"],
             "generated_tokens": self._counters["tokens"],
             "jobs_finished": self._counters["finished"],

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from model_worker.devices import cuda_devices
+from model_worker.devices import cuda_devices, gpu_memory_used_bytes
 from model_worker.engines.base import EngineSettings, ProgressCallback, RequestRejected
 from model_worker.engines.structured_output import (
     JsonConstraint,
@@ -70,6 +70,7 @@ class TransformersEngine:
         self._queue: OrderedDict[str, _Job] = OrderedDict()
         self._active: OrderedDict[str, _Job] = OrderedDict()
         self._steps = 0
+        self._jobs_per_step = 0.0
         self._generated_tokens = 0
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -125,12 +126,20 @@ class TransformersEngine:
             torch.cuda.empty_cache()
 
     def stats(self) -> dict[str, Any]:
-        return {
+        held = sum(job.cache.get_seq_length() for job in self._active.values() if job.cache is not None)
+        capacity = self.settings.max_batch_size * self.settings.max_seq_len
+        stats: dict[str, Any] = {
             "active_jobs": len(self._active),
             "queued_jobs": len(self._queue),
             "steps": self._steps,
             "generated_tokens": self._generated_tokens,
+            "jobs_per_step": round(self._jobs_per_step, 3),
+            # Tokens held in the per-job KV caches over what max_batch_size x max_seq_len allows.
+            "kv_cache_usage_ratio": round(held / capacity, 4) if capacity else 0.0,
         }
+        if self._device.type == "cuda":
+            stats["gpu_memory_used_bytes"] = gpu_memory_used_bytes()
+        return stats
 
     def info(self) -> dict[str, Any]:
         devices: list[dict[str, Any]] = cuda_devices() if self._device.type == "cuda" else [{"name": "cpu"}]
@@ -242,6 +251,7 @@ class TransformersEngine:
         self._admit()
         if not self._active:
             return []
+        self._jobs_per_step += (len(self._active) - self._jobs_per_step) * 0.05  # ~20-step moving average
         outputs: list[JobOutput] = []
         finished: list[str] = []
         chunk = self.settings.max_chunk_size

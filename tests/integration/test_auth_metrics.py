@@ -186,6 +186,9 @@ def test_metrics_after_requests(gateway: GatewayProcess) -> None:
         assert ("gateway_worker_restarts_total", frozenset({("model", model), ("worker", worker)})) in samples
         assert ("gateway_queue_depth", frozenset({("model", model)})) in samples
         assert ("gateway_active_jobs", frozenset({("model", model), ("worker", worker)})) in samples
+        # Engine figures travel with heartbeats: batching use and KV-cache use (GPU memory on GPU workers).
+        assert ("gateway_jobs_per_step", frozenset({("model", model), ("worker", worker)})) in samples
+        assert ("gateway_kv_cache_usage_ratio", frozenset({("model", model), ("worker", worker)})) in samples
     assert value("gateway_inter_token_latency_seconds_count", model="demo-b") >= 1
 
 
