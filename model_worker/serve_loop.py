@@ -142,14 +142,25 @@ class Worker:
         logger.info("ready (warm-up %.2fs)", warm_s)
 
     def _warm_up(self, engine: Engine, runs: int) -> float:
-        """Generate a few tokens so one-time costs (kernel builds, allocator growth) are paid now."""
+        """Pay one-time costs now (kernel selection, allocator growth, sampling paths), so the first
+        user request is as fast as the tenth: a short greedy run, a longer prompt and completion
+        (new sequence-length shapes), and a sampled run; `runs` repeats the short one."""
         started = time.monotonic()
-        prompt_ids = engine.encode(WARMUP_PROMPT, add_special_tokens=True)
-        for run in range(runs):
-            rid = f"__warmup-{run}"
-            engine.submit(
-                rid, prompt_ids, wire.SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
-            )
+        max_seq_len = int(engine.info().get("max_seq_len") or 2048)
+        # Prompts and completions always fit the context, however small it is configured.
+        short = engine.encode(WARMUP_PROMPT, add_special_tokens=True)[: max(max_seq_len // 4, 1)]
+        long_len = max(min(512, max_seq_len // 2), len(short))
+        long = (short * (long_len // len(short) + 1))[:long_len]
+
+        def params(prompt: list[int], tokens: int, **sampling: Any) -> wire.SamplingParams:
+            room = max(min(tokens, max_seq_len - len(prompt) - 1), 1)
+            return wire.SamplingParams(max_tokens=room, ignore_eos=True, **{"temperature": 0.0, **sampling})
+
+        plan = [(short, params(short, 32))] * max(runs - 1, 1)
+        plan.append((long, params(long, 128)))
+        plan.append((short, params(short, 32, temperature=0.8, top_p=0.9, seed=0)))
+        for run, (prompt_ids, params) in enumerate(plan):
+            engine.submit(f"__warmup-{run}", prompt_ids, params)
             while engine.has_work():
                 engine.step()
         return time.monotonic() - started
