@@ -189,7 +189,7 @@ class ConfigError(Exception):
     """A registry that cannot be used; str() is the message shown to the operator."""
 
 
-def _describe(error: dict[str, Any], raw: Any) -> str:
+def _describe(error: Any, raw: Any) -> str:
     loc = list(error["loc"])
     where = []
     if len(loc) >= 2 and loc[0] == "models" and isinstance(loc[1], int):

@@ -58,8 +58,8 @@ def discover_gpus() -> list[Gpu]:
         return []
     gpus = []
     for line in out.strip().splitlines():
-        index, name, mib = (part.strip() for part in line.split(","))
-        gpus.append(Gpu(int(index), name, int(float(mib)) * 1024**2))
+        index_text, name, mib = (part.strip() for part in line.split(","))
+        gpus.append(Gpu(int(index_text), name, int(float(mib)) * 1024**2))
     return gpus
 
 

@@ -19,7 +19,7 @@ from gateway.config import Registry
 from gateway.generation import GenerationService
 from gateway.logging_setup import LoadProgressLog
 from gateway.router import Router
-from gateway.supervisor import Supervisor
+from gateway.supervisor import Supervisor, WorkerHandle
 from gateway.worker_link import WorkerLink
 
 logger = logging.getLogger(__name__)
@@ -46,9 +46,12 @@ class Gateway:
             ),
             registry.server.remote_workers,
         )
-        supervisor = Supervisor(
-            registry, link, lambda worker: router_ref and router_ref[0].on_worker_state(worker)
-        )
+
+        def on_worker_state(worker: WorkerHandle) -> None:
+            if router_ref:  # state changes before the router exists need no routing update
+                router_ref[0].on_worker_state(worker)
+
+        supervisor = Supervisor(registry, link, on_worker_state)
         supervisor_ref.append(supervisor)
         router = Router(registry, list(supervisor.workers.values()), supervisor.launch)
         router_ref.append(router)
