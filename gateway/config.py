@@ -82,6 +82,10 @@ class ModelConfig(_Strict):
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
     threads: int | None = Field(None, ge=1, description="CPU threads for torch in this worker.")
     draft_path: Path | None = Field(None, description="Draft model folder for speculative decoding.")
+    ngram_draft: bool = Field(
+        False,
+        description="exllamav2: speculative decoding with n-gram drafts from the context (no draft model).",
+    )
 
     @field_validator("engine")
     @classmethod
@@ -114,6 +118,8 @@ class ModelConfig(_Strict):
             len(self.gpu_split) != len(self.gpus_of_replica(r)) for r in range(self.replicas)
         ):
             raise ValueError("gpu_split needs one entry per GPU of each replica")
+        if self.ngram_draft and (self.engine != "exllamav2" or self.draft_path is not None):
+            raise ValueError("ngram_draft needs the exllamav2 engine and no draft_path (one drafting method)")
         if self.engine == "exllamav2" and not all(self.gpus_of_replica(r) for r in range(self.replicas)):
             raise ValueError("the exllamav2 engine needs at least one GPU in gpus")
         return self
@@ -252,6 +258,7 @@ def worker_spec(model: ModelConfig, heartbeat_interval_s: float) -> dict[str, An
         "dtype": model.dtype,
         "threads": model.threads,
         "draft_path": str(model.draft_path) if model.draft_path else None,
+        "extra": {"ngram_draft": model.ngram_draft},
     }
     return {
         "name": model.name,

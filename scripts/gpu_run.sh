@@ -10,7 +10,7 @@
 # models (tiny-gpu x2 and a Llama-3-8B shape) under /tmp/models, run `pytest -m gpu tests/gpu`
 # and bench/bench_exllamav2.py, and print a short table last. Logs go to $OUT (default /tmp/gpu-out).
 #
-#   GPU_RUN_STAGES   which stages, in order (default "engine gateway bench"; also "bench-raw")
+#   GPU_RUN_STAGES   which stages, in order (default "engine gateway bench"; also "bench-raw", "spec")
 #   GPU_RUN_BUDGET_S wall-clock budget in seconds; stages are cut to fit (default 540)
 set -uo pipefail
 
@@ -90,6 +90,14 @@ for stage in $stages; do
         gateway) run_pytest gateway tests/gpu/test_gateway_exllamav2.py 240 ;;
         bench) run_bench bench raw,gateway,two-gpus 240 ;;
         bench-raw) run_bench bench raw 150 ;;
+        spec)  # speculative decoding: plain vs n-gram vs a draft model sharing the 8B shape's vocabulary
+            limit=$(allow 200)
+            say "stage spec (limit ${limit}s)"
+            timeout -k 10 "$limit" python3 -c "from gateway.demo_model import make_demo_model as m; \
+m('/tmp/models/draft-8b-vocab', preset='tiny-gpu', seed=3, device='cuda', vocab_size=128256)" &&
+            timeout -k 10 "$limit" python3 bench/bench_speculative.py --model "$GPU_TEST_BIG_MODEL" \
+                --draft /tmp/models/draft-8b-vocab --out "$OUT/bench_speculative.json" | tee "$OUT/bench_speculative.md"
+            status[spec]="rc=${PIPESTATUS[0]}" ;;
         *) say "unknown stage $stage" ;;
     esac
 done

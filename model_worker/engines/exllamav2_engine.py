@@ -140,6 +140,8 @@ class ExLlamaV2Engine:
             draft_model=self.draft_model,
             draft_cache=self.draft_cache,
             num_draft_tokens=NUM_DRAFT_TOKENS,
+            # n-gram drafting proposes tokens seen earlier in the context; no second model needed.
+            use_ngram_draft=bool(s.extra.get("ngram_draft")) and self.draft_model is None,
         )
         if s.extra.get("warmup", False):  # the serve loop warms up through submit(); this is for bare use
             started = time.monotonic()
@@ -382,6 +384,7 @@ class ExLlamaV2Engine:
             "attention": self.attention,
             "cache_size": self.cache_size,
             "cache_mode": s.cache_mode,
+            "ngram_draft": bool(s.extra.get("ngram_draft")),
             "draft_model": Path(s.draft_path).name if s.draft_path else None,
             "vocab_size": self.vocab_size,
             "devices": cuda_devices(),
