@@ -33,6 +33,7 @@ class ChoiceState:
     index: int
     prompt_tokens: int
     text_parts: list[str] = field(default_factory=list)
+    text_length: int = 0  # kept as we go: text offsets per chunk must not re-join the whole text
     completion_tokens: int = 0
     cached_tokens: int = 0
     finish_reason: str | None = None
@@ -40,6 +41,7 @@ class ChoiceState:
 
     def add(self, output: JobOutput) -> None:
         self.text_parts.append(output.text)
+        self.text_length += len(output.text)
         self.completion_tokens += len(output.token_ids)
         if output.logprobs:
             self.logprobs.extend(output.logprobs)
@@ -141,7 +143,7 @@ class ResponseFormatter:
             logprobs = (
                 chat_logprobs(output.logprobs)
                 if self.chat
-                else completion_logprobs(output.logprobs, len("".join(state.text_parts)) - len(output.text))
+                else completion_logprobs(output.logprobs, state.text_length - len(output.text))
             )
         if self.chat:
             delta = {"content": output.text} if output.text else {}
