@@ -94,6 +94,7 @@ def gateway(setup: Setup) -> Iterator[GatewayProcess]:
 def good_worker(setup: Setup, gateway: GatewayProcess) -> Iterator[subprocess.Popen[bytes]]:
     worker = setup.worker("far@good", "good")
     wait_for(lambda: _state(gateway, "far@good") == "ready", 60, "the remote worker")
+    gateway.wait_until_ready(60)  # the local model's worker too: /health/ready covers every model
     yield worker
     worker.kill()
     worker.wait(10)
