@@ -30,7 +30,7 @@ sys.path.insert(0, str(REPO_ROOT))
 import httpx  # noqa: E402
 
 from model_worker.engines.base import EngineSettings  # noqa: E402
-from model_worker.engines.exllamav2_engine import ExLlamaV2Engine  # noqa: E402
+from model_worker.engines.exllamav2.engine import ExLlamaV2Engine  # noqa: E402
 from tests.gpu.support import gateway_env, stream_completion, write_registry  # noqa: E402
 from tests.harness import GatewayProcess  # noqa: E402
 

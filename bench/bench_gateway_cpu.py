@@ -98,7 +98,7 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
 def raw_run(engine: Any, tokens: int) -> dict[str, Any]:
     """One greedy job in this process. Encoding is timed because the worker encodes inside the
     gateway path; "times" are outputs that carry text (what a client would receive as a chunk)."""
-    from model_worker.protocol import SamplingParams
+    from wire.params import SamplingParams
 
     params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
     started = time.perf_counter()
@@ -138,19 +138,18 @@ def http_run(client: httpx.Client, tokens: int) -> dict[str, Any]:
     return {"started": started, "times": times, "tokens": usage.get("completion_tokens", len(times))}
 
 
-def engine_settings(model_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
-    return {"path": str(model_dir), "max_seq_len": 2048, "threads": 1,
-            "max_batch_size": args.streams, "max_chunk_size": 2048}  # fmt: skip
+def engine_settings(args: argparse.Namespace) -> dict[str, Any]:
+    return {"threads": 1, "max_batch_size": args.streams, "max_chunk_size": 2048}
 
 
 def measure(model_dir: Path, work: Path, args: argparse.Namespace) -> dict[str, Any]:
     """Raw and gateway runs alternate (never overlap), so slow drift in background load hits both."""
-    from model_worker.engines.base import EngineSettings
-    from model_worker.engines.transformers_engine import TransformersEngine
+    from model_worker.engines.registry import create_engine
 
-    engine = TransformersEngine(EngineSettings(**engine_settings(model_dir, args)))
+    engine = create_engine("transformers", str(model_dir), 2048, engine_settings(args))
     engine.load(lambda detail, progress: None)
-    entry = {"name": MODEL_NAME, "engine": "transformers", **engine_settings(model_dir, args),
+    entry = {"name": MODEL_NAME, "engine": "transformers", "path": str(model_dir), "max_seq_len": 2048,
+             "engine_settings": engine_settings(args),
              "limits": {"max_concurrent_jobs": args.streams, "max_queued_requests": 64}}  # fmt: skip
     config = work / "models.yaml"
     config.write_text(yaml.safe_dump({"models": [entry]}))
@@ -256,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     args = parser.parse_args(argv)
 
-    from gateway.demo_model import make_demo_model
+    from gateway.demo.model import make_demo_model
 
     report: dict[str, Any] = {"env": environment(args)}
     with tempfile.TemporaryDirectory(prefix="bench-gw-cpu-") as tmp:

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from model_worker.engines.base import EngineSettings
-from model_worker.engines.exllamav2_engine import ExLlamaV2Engine
+from model_worker.engines.exllamav2.engine import ExLlamaV2Engine
 from model_worker.protocol import SamplingParams
 
 

@@ -340,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "bench" / "results")
     args = parser.parse_args(argv)
 
-    from gateway.demo_model import make_demo_model
+    from gateway.demo.model import make_demo_model
 
     config = {
         "replicas": args.replicas, "max_batch_size": args.max_batch_size,

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from model_worker.engines.base import EngineSettings
-from model_worker.engines.exllamav2_engine import ExLlamaV2Engine
+from model_worker.engines.exllamav2.engine import ExLlamaV2Engine
 from model_worker.protocol import SamplingParams
 
 PROMPT = "List the steps of making bread, then list them again in the same words. " * 8

@@ -245,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     args = parser.parse_args(argv)
 
-    from gateway.demo_model import make_demo_model
+    from gateway.demo.model import make_demo_model
 
     report: dict[str, Any] = {"env": environment(args)}
     stem = f"soak_{report['env']['date'].replace(':', '')}"

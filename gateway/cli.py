@@ -14,11 +14,11 @@ import os
 import sys
 from pathlib import Path
 
-from gateway.api_keys import check_bind_allowed, keys_file_path, parse_keys_file
-from gateway.config import ConfigError, Registry, load_registry
-from gateway.logging_setup import configure_logging
-from gateway.placement import check_placement, discover_gpus
-from model_worker.log_format import FORMATS, resolve_format
+from gateway.config.api_keys import check_bind_allowed, keys_file_path, parse_keys_file
+from gateway.config.placement import check_placement, discover_gpus
+from gateway.config.registry import ConfigError, Registry, load_registry
+from gateway.observability.logging_setup import configure_logging
+from wire.log_format import FORMATS, resolve_format
 
 DEFAULT_CONFIG = "config/models.yaml"
 
@@ -30,7 +30,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     check_bind_allowed(registry, host, os.environ)  # no keys: loopback only
     _check_placement(registry)
     if registry.server.remote_workers is not None:
-        from gateway.worker_link import check_remote_keys
+        from gateway.serving.worker_link import check_remote_keys
 
         check_remote_keys(registry.server.remote_workers)  # a tcp listener without keys never starts
     from gateway.server import run_server
@@ -44,7 +44,7 @@ def _check_placement(registry: Registry) -> None:
         return  # CPU-only registry: nothing to place
     errors, warnings = check_placement(registry, discover_gpus())
     for warning in warnings:
-        logging.getLogger("gateway.placement").warning("%s", warning)
+        logging.getLogger("gateway.config.placement").warning("%s", warning)
     if errors:
         raise ConfigError(f"{registry.source}: " + f"\n{registry.source}: ".join(errors))
 
@@ -63,7 +63,7 @@ def _cmd_check_config(args: argparse.Namespace) -> int:
 
 
 def _cmd_make_demo_model(args: argparse.Namespace) -> int:
-    from gateway.demo_model import make_demo_model
+    from gateway.demo.model import make_demo_model
 
     out = make_demo_model(Path(args.dir), preset=args.preset, seed=args.seed, device=args.device)
     print(f"wrote {out}")

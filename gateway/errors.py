@@ -6,6 +6,7 @@ Runs in the gateway process. Every HTTP error leaves through `error_body`, as
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 
@@ -66,12 +67,6 @@ class RequestTimeout(APIError):
     code = "request_timeout"
 
 
-class PayloadTooLarge(APIError):
-    status = 413
-    type = "invalid_request_error"
-    code = "payload_too_large"
-
-
 class QueueFull(APIError):
     status = 429
     type = "rate_limit_error"
@@ -88,6 +83,26 @@ class WorkerFailed(ServiceUnavailable):
     """The worker serving the request died or was lost; the request cannot continue."""
 
     code = "worker_failed"
+
+
+class ClientClosed(APIError):
+    """The client went away before the response was complete (nginx's 499); never sent to anyone."""
+
+    status = 499
+    type = "client_closed"
+    code = "client_closed"
+
+    def __init__(self, message: str = "the client closed the connection") -> None:
+        super().__init__(message)
+
+
+def as_api_error(exc: BaseException) -> APIError:
+    """The APIError a request ends with when `exc` ends it."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, (asyncio.CancelledError, GeneratorExit)):
+        return ClientClosed()
+    return APIError("internal server error")
 
 
 def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:

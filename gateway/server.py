@@ -15,12 +15,11 @@ import time
 from hypercorn.asyncio import serve
 from hypercorn.config import Config as HypercornConfig
 
-from gateway.api.admin import reload_registry
-from gateway.app import create_app
-from gateway.config import ConfigError, Registry
-from gateway.state import Gateway
-from gateway.worker_link import StreamEnd
-from model_worker import protocol as wire
+from gateway.config.registry import ConfigError, Registry
+from gateway.core import Gateway
+from gateway.errors import ServiceUnavailable
+from gateway.http.admin_routes import reload_registry
+from gateway.http.app import create_app
 
 logger = logging.getLogger(__name__)
 
@@ -33,13 +32,8 @@ async def _drain(gateway: Gateway, grace_s: float) -> None:
         await asyncio.sleep(0.05)
     if gateway.service.in_flight:
         logger.warning("grace period over; cancelling %d request(s)", gateway.service.in_flight)
-        # End each stream ourselves so its client gets an error event, not a cut connection.
-        for stream in gateway.link.open_streams():
-            if not stream.finished:
-                gateway.link.send(stream.worker_id, wire.Cancel(stream.rid))
-                gateway.link.end_stream(
-                    stream, StreamEnd(503, "shutting_down", "the server is shutting down")
-                )
+        # End each request ourselves so its client gets an error event, not a cut connection.
+        gateway.service.abort_all(ServiceUnavailable("the server is shutting down", code="shutting_down"))
         flush_deadline = time.monotonic() + 1.0
         while gateway.service.in_flight > 0 and time.monotonic() < flush_deadline:
             await asyncio.sleep(0.02)
@@ -50,7 +44,7 @@ async def run_server(registry: Registry, host: str, port: int) -> None:
     gateway: Gateway = app.extensions["gateway"]
     config = HypercornConfig()
     config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
-    config.accesslog = None  # gateway.request_log writes the access log, with request ids
+    config.accesslog = None  # gateway.http.request_log writes the access log, with request ids
     # A logger, not a stream: Hypercorn's errors then go through our handler and format (JSON too).
     config.errorlog = logging.getLogger("hypercorn.error")
     config.keep_alive_timeout = 75

@@ -7,10 +7,11 @@ ready message and /admin/workers; torch is imported on call.
 from __future__ import annotations
 
 import os
-from typing import Any
+
+from wire.stats import DeviceInfo
 
 
-def cuda_devices() -> list[dict[str, Any]]:
+def cuda_devices() -> list[DeviceInfo]:
     """Name, UUID and device-wide memory of each GPU this process sees (CUDA_VISIBLE_DEVICES applies)."""
     import torch
 
@@ -20,15 +21,17 @@ def cuda_devices() -> list[dict[str, Any]]:
         props = torch.cuda.get_device_properties(index)
         uuid = str(getattr(props, "uuid", ""))
         free, total = torch.cuda.mem_get_info(index)
-        devices.append({
-            "index": index,
-            # The host's GPU index, as the gateway pinned it through CUDA_VISIBLE_DEVICES.
-            "visible_as": visible[index] if index < len(visible) else str(index),
-            "name": props.name,
-            "uuid": uuid if not uuid or uuid.startswith("GPU-") else f"GPU-{uuid}",
-            "memory_used_mib": round((total - free) / 2**20),
-            "memory_total_mib": round(total / 2**20),
-        })  # fmt: skip
+        devices.append(
+            DeviceInfo(
+                index=index,
+                # The host's GPU index, as the gateway pinned it through CUDA_VISIBLE_DEVICES.
+                visible_as=visible[index] if index < len(visible) else str(index),
+                name=props.name,
+                uuid=uuid if not uuid or uuid.startswith("GPU-") else f"GPU-{uuid}",
+                memory_used_mib=round((total - free) / 2**20),
+                memory_total_mib=round(total / 2**20),
+            )
+        )
     return devices
 
 

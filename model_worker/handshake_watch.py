@@ -22,7 +22,6 @@ _FAILED = (
 class HandshakeWatch:
     def __init__(self, sock: zmq.Socket) -> None:
         self._monitor = sock.get_monitor_socket(_FAILED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
-        self.succeeded = False
 
     def refused(self, wait_s: float = 0.0) -> bool:
         """True once a handshake failed; waits up to wait_s for the first verdict."""
@@ -34,8 +33,7 @@ class HandshakeWatch:
             event = recv_monitor_message(self._monitor)["event"]
             if event & _FAILED:
                 return True
-            self.succeeded = True
-            if wait_s:
+            if wait_s:  # a handshake succeeded: that is the verdict waited for
                 return False
 
     def close(self) -> None:

@@ -16,7 +16,8 @@ import signal
 import socket
 import sys
 
-from model_worker import log_format
+from wire import log_format
+from wire.params import WorkerSpec
 
 logger = logging.getLogger("model_worker")
 
@@ -68,17 +69,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def _remote_spec(args: argparse.Namespace) -> dict[str, object]:
-    """A worker started by hand on another host reads its model from the same registry file."""
-    from gateway.config import load_registry, worker_spec
+def _spec(args: argparse.Namespace) -> WorkerSpec:
+    """The spawning gateway's --spec, or, for a remote worker, the model's entry in --config."""
+    if args.spec is not None:
+        try:
+            return WorkerSpec(**json.loads(args.spec))
+        except (ValueError, TypeError) as exc:
+            raise SystemExit(f"model-worker: invalid --spec: {exc}") from None
+    if args.config is None or args.model is None:
+        raise SystemExit("model-worker: give --spec (spawned by the gateway) or --config and --model")
+    from model_worker.remote_spec import RemoteSpecError, remote_spec
 
-    registry = load_registry(args.config)
-    model = registry.model(args.model)
-    if model is None or not model.remote:
-        raise SystemExit(f"model-worker: {args.config} has no remote model named {args.model!r}")
+    try:
+        spec = remote_spec(args.config, args.model)
+    except RemoteSpecError as exc:
+        raise SystemExit(f"model-worker: {exc}") from None
     if args.worker_id is None:
-        args.worker_id = f"{model.name}@{socket.gethostname()}-{os.getpid()}"
-    return worker_spec(model, registry.server.heartbeat_interval_s)
+        args.worker_id = f"{spec.name}@{socket.gethostname()}-{os.getpid()}"
+    return spec
 
 
 def _curve_keys(args: argparse.Namespace) -> tuple[bytes, bytes, bytes] | None:
@@ -97,15 +105,7 @@ def _curve_keys(args: argparse.Namespace) -> tuple[bytes, bytes, bytes] | None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.spec is None:
-        if args.config is None or args.model is None:
-            raise SystemExit("model-worker: give --spec (spawned by the gateway) or --config and --model")
-        from gateway.config import ConfigError  # only remote workers read the registry themselves
-
-        try:
-            args.spec = json.dumps(_remote_spec(args))
-        except ConfigError as exc:
-            raise SystemExit(f"model-worker: {exc}") from None
+    spec = _spec(args)
     if args.worker_id is None:
         raise SystemExit("model-worker: --worker-id is required with --spec")
     if args.connect.startswith("tcp://") and args.curve_secret_key is None:
@@ -121,14 +121,8 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["CUDA_VISIBLE_DEVICES"] = args.gpus
     if args.parent_pid is not None:  # spawned by a local gateway: never outlive it
         _die_with_parent()
-    try:
-        spec = json.loads(args.spec)
-    except json.JSONDecodeError as exc:
-        logger.error("invalid --spec: %s", exc)
-        return 2
-    if isinstance(spec, dict) and isinstance(spec.get("name"), str):
-        context.fields["model"] = spec["name"]
-    if isinstance(spec, dict) and spec.get("engine") == "transformers":
+    context.fields["model"] = spec.name
+    if spec.engine == "transformers":
         _route_transformers_logs()
 
     from model_worker.serve_loop import Worker

@@ -1,8 +1,9 @@
 """The worker's serve loop: socket in, engine steps, one Step frame out per generator step.
 
 Runs in the worker process, on its main thread: the only thread that touches the engine (the
-exllamav2 generator is not thread-safe). Owns the DEALER socket, the engine, the chat template
-and the worker's lifecycle (loading -> warming -> ready -> draining -> stopped).
+exllamav2 generator is not thread-safe). Owns the DEALER socket, the engine, the prompt builder and
+the worker's own lifecycle (starting -> loading -> warming -> ready -> draining -> stopped, checked
+against wire.states). Messages are dispatched by type through a table.
 """
 
 from __future__ import annotations
@@ -16,18 +17,25 @@ from collections.abc import Callable
 from typing import Any
 
 import zmq
+from pydantic import ValidationError
 
-from model_worker import protocol as wire
-from model_worker.chat_template import ChatTemplate, TemplateError
-from model_worker.engines.base import Engine, EngineSettings, RequestRejected, load_engine
+from model_worker.chat_template import ChatTemplate
+from model_worker.engines import registry
+from model_worker.engines.base import Engine, RequestRejected
+from model_worker.engines.validation import check_job
 from model_worker.handshake_watch import HandshakeWatch
+from model_worker.prompts import PromptBuilder
+from model_worker.warmup import warm_up
+from wire import messages as wire
+from wire.codec import MAX_SOCKET_MESSAGE_BYTES, ProtocolError
+from wire.params import WorkerSpec
+from wire.results import AbortReason, RejectCode
+from wire.states import WorkerState, check_transition
+from wire.stats import EngineInfo
 
 logger = logging.getLogger(__name__)
 
-WARMUP_PROMPT = (
-    "Warm-up: the worker runs this once after loading so that kernels, allocators and caches "
-    "are initialised before the first user request arrives. " * 3
-)
+LOADING_STATES = (WorkerState.STARTING, WorkerState.LOADING, WorkerState.WARMING)
 
 
 class Worker:
@@ -35,7 +43,7 @@ class Worker:
         self,
         worker_id: str,
         endpoint: str,
-        spec: dict[str, Any],
+        spec: WorkerSpec,
         parent_pid: int | None,
         curve: tuple[bytes, bytes, bytes] | None = None,
     ) -> None:
@@ -43,18 +51,18 @@ class Worker:
         self.endpoint = endpoint
         self.spec = spec
         self.parent_pid = parent_pid
-        self.heartbeat_interval_s = float(spec.get("heartbeat_interval_s", 1.0))
-        self.state = "starting"
+        self.state = WorkerState.STARTING
         self.engine: Engine | None = None
-        self.chat_template: ChatTemplate | None = None
+        self.info: EngineInfo | None = None
+        self.prompts: PromptBuilder | None = None
         self._stop_deadline: float | None = None
-        self._ready_info: dict[str, Any] | None = None
+        self._ready: wire.Ready | None = None
         self._announce_draining = False
         self._live_rids: set[str] = set()
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.IDENTITY, worker_id.encode())
-        self._sock.setsockopt(zmq.MAXMSGSIZE, wire.MAX_SOCKET_MESSAGE_BYTES)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_SOCKET_MESSAGE_BYTES)
         self._sock.setsockopt(zmq.SNDHWM, 10_000)
         self._sock.setsockopt(zmq.RCVHWM, 10_000)
         # Linger so the final Fatal/Heartbeat frames are flushed when we exit.
@@ -79,12 +87,11 @@ class Worker:
     # ---- lifecycle -------------------------------------------------------------------------
 
     def request_stop(self, grace_s: float) -> None:
-        if self.state in ("starting", "loading", "warming"):
+        if self.state in LOADING_STATES:
             sys.exit(0)  # nothing to drain; stop loading at once
         deadline = time.monotonic() + grace_s
         if self._stop_deadline is None or deadline < self._stop_deadline:
             self._stop_deadline = deadline
-        self.state = "draining"
         # May run in a signal handler: the socket is touched only by the loop, which sees this flag.
         self._announce_draining = True
 
@@ -106,64 +113,53 @@ class Worker:
             self._send(wire.Fatal(f"{type(exc).__name__}: {exc}"))
             return 1
         finally:
-            if self.engine is not None:
-                try:
-                    self.engine.close()
-                except Exception:  # closing is best effort; the process exits next
-                    logger.debug("engine close failed", exc_info=True)
-            if self._handshake is not None:
-                self._handshake.close()
-            self._sock.close()
-            self._ctx.term()
+            self._close()
         return 0
 
-    def _status(self, state: str, detail: str, progress: float | None = None) -> None:
+    def _close(self) -> None:
+        if self.engine is not None:
+            try:
+                self.engine.close()
+            except Exception:  # closing is best effort; the process exits next
+                logger.debug("engine close failed", exc_info=True)
+        if self._handshake is not None:
+            self._handshake.close()
+        self._sock.close()
+        self._ctx.term()
+
+    def _move_to(self, state: WorkerState, detail: str = "", progress: float | None = None) -> None:
+        check_transition(self.state, state)
         self.state = state
         self._send(wire.Status(state, detail, progress))
 
     def _load_and_warm(self) -> None:
-        settings = EngineSettings(**self.spec["settings"])
-        self._status("loading", f"loading {self.spec['engine']} model", 0.0)
+        spec = self.spec
+        entry = registry.lookup(spec.engine)
+        try:
+            settings = entry.settings.model_validate(spec.engine_settings)
+        except ValidationError as exc:
+            raise RuntimeError(f"engine_settings of model {spec.name!r} are invalid: {exc}") from None
+        self._move_to(WorkerState.LOADING, f"loading {spec.engine} model", 0.0)
         started = time.monotonic()
-        engine = load_engine(self.spec["engine"], settings)
-        engine.load(lambda detail, progress: self._status("loading", detail, progress))
+        engine: Engine = entry.engine_class()(spec.path, spec.max_seq_len, settings)
+        engine.load(lambda detail, progress: self._move_to(WorkerState.LOADING, detail, progress))
         self.engine = engine
-        self.chat_template = ChatTemplate.for_model(settings.path, self.spec.get("chat_template"))
+        self.info = engine.info()
+        chat_template = ChatTemplate.for_model(spec.path, spec.chat_template)
+        self.prompts = PromptBuilder(engine, chat_template)
         load_s = time.monotonic() - started
         logger.info("model loaded in %.1fs", load_s)
-        self._status("warming", "warm-up generation", None)
-        warm_s = self._warm_up(engine, int(self.spec.get("warmup_runs", 2)))
-        info = dict(engine.info())
-        info.update(pid=os.getpid(), load_s=round(load_s, 3), warmup_s=round(warm_s, 3))
-        info["chat_template"] = self.chat_template is not None
-        self.state = "ready"
-        self._ready_info = info
-        self._send(wire.Ready(info))
+        self._move_to(WorkerState.WARMING, "warm-up generation")
+        warm_s = warm_up(engine, self.info.max_seq_len, spec.warmup_runs)
+        # Devices again: memory in use now includes the cache and the warm-up's allocations.
+        self.info = engine.info()
+        self._ready = wire.Ready(
+            self.info, os.getpid(), round(load_s, 3), round(warm_s, 3), chat_template is not None
+        )
+        check_transition(self.state, WorkerState.READY)
+        self.state = WorkerState.READY
+        self._send(self._ready)
         logger.info("ready (warm-up %.2fs)", warm_s)
-
-    def _warm_up(self, engine: Engine, runs: int) -> float:
-        """Pay one-time costs now (kernel selection, allocator growth, sampling paths), so the first
-        user request is as fast as the tenth: a short greedy run, a longer prompt and completion
-        (new sequence-length shapes), and a sampled run; `runs` repeats the short one."""
-        started = time.monotonic()
-        max_seq_len = int(engine.info().get("max_seq_len") or 2048)
-        # Prompts and completions always fit the context, however small it is configured.
-        short = engine.encode(WARMUP_PROMPT, add_special_tokens=True)[: max(max_seq_len // 4, 1)]
-        long_len = max(min(512, max_seq_len // 2), len(short))
-        long = (short * (long_len // len(short) + 1))[:long_len]
-
-        def params(prompt: list[int], tokens: int, **sampling: Any) -> wire.SamplingParams:
-            room = max(min(tokens, max_seq_len - len(prompt) - 1), 1)
-            return wire.SamplingParams(max_tokens=room, ignore_eos=True, **{"temperature": 0.0, **sampling})
-
-        plan = [(short, params(short, 32))] * max(runs - 1, 1)
-        plan.append((long, params(long, 128)))
-        plan.append((short, params(short, 32, temperature=0.8, top_p=0.9, seed=0)))
-        for run, (prompt_ids, params) in enumerate(plan):
-            engine.submit(f"__warmup-{run}", prompt_ids, params)
-            while engine.has_work():
-                engine.step()
-        return time.monotonic() - started
 
     # ---- the loop --------------------------------------------------------------------------
 
@@ -171,7 +167,8 @@ class Worker:
         assert self.engine is not None
         engine = self.engine
         last_heartbeat = 0.0
-        idle_timeout_ms = int(self.heartbeat_interval_s * 1000)
+        interval_s = self.spec.heartbeat_interval_s
+        idle_timeout_ms = int(interval_s * 1000)
         while True:
             busy = engine.has_work()
             # Never block on the socket while jobs are active; block only when idle.
@@ -180,7 +177,6 @@ class Worker:
             if engine.has_work():
                 outputs = engine.step()
                 if outputs:
-                    outputs = [self._with_token_texts(o) if o.logprobs else o for o in outputs]
                     for output in outputs:
                         if output.finish_reason is not None:
                             self._live_rids.discard(output.rid)
@@ -188,13 +184,14 @@ class Worker:
             now = time.monotonic()
             if self._announce_draining:
                 self._announce_draining = False
-                self._status("draining", "shutting down")  # the gateway stops routing to us
-            if now - last_heartbeat >= self.heartbeat_interval_s:
+                if self.state is not WorkerState.DRAINING:
+                    self._move_to(WorkerState.DRAINING, "shutting down")  # the gateway stops routing to us
+            if now - last_heartbeat >= interval_s:
                 last_heartbeat = now
                 if self._handshake is not None and self._handshake.refused():
                     logger.error("the gateway at %s refused this worker's CURVE key; exiting", self.endpoint)
                     return
-                self._send(wire.Heartbeat(self._stats()))
+                self._send(wire.Heartbeat(self.state, engine.stats()))
                 if self.parent_pid is not None and os.getppid() != self.parent_pid:
                     logger.warning("gateway (pid %s) is gone; exiting", self.parent_pid)
                     return
@@ -213,7 +210,7 @@ class Worker:
                 return
             try:
                 message = wire.decode(frame)
-            except wire.ProtocolError as exc:
+            except ProtocolError as exc:
                 logger.warning("dropped a bad frame (%d bytes): %s", len(frame), exc)
                 continue
             handler = self._handlers.get(type(message))
@@ -224,39 +221,39 @@ class Worker:
 
     def _abort_all(self, reason: str) -> None:
         assert self.engine is not None
-        outputs = []
-        for rid in sorted(self._live_rids):
+        rids = sorted(self._live_rids)
+        for rid in rids:
             self.engine.cancel(rid)
-            outputs.append(wire.JobOutput(rid, "", [], "abort", {"error": reason}))
         self._live_rids.clear()
-        if outputs:
-            self._send(wire.Step(outputs))
+        if rids:
+            self._send(wire.JobsAborted(rids, AbortReason.SHUTDOWN, reason))
 
     # ---- message handlers --------------------------------------------------------------------
 
     def _on_generate(self, msg: wire.Generate) -> None:
-        assert self.engine is not None
-        if self.state != "ready":
-            self._send(wire.Rejected(msg.rid, "service_unavailable", "the model is shutting down", None))
+        assert self.engine is not None and self.prompts is not None and self.info is not None
+        if self.state is not WorkerState.READY:
+            self._send(wire.Rejected(msg.rid, RejectCode.SHUTTING_DOWN, "the model is shutting down", None))
             return
         try:
-            params = wire.SamplingParams.from_wire(msg.params)
-            prompt_ids = self._prompt_ids(msg)
-            prompt_tokens = self.engine.submit(msg.rid, prompt_ids, params)
+            if msg.rid in self._live_rids:
+                raise RequestRejected(
+                    RejectCode.DUPLICATE_REQUEST_ID, f"request id {msg.rid!r} is already running", "rid"
+                )
+            prompt_ids = self.prompts.ids(msg.prompt, msg.prompt_token_ids, msg.messages)
+            check_job(prompt_ids, msg.params, self.info.max_seq_len, self.info.vocab_size)
+            self.engine.submit(msg.rid, prompt_ids, msg.params)
         except RequestRejected as exc:
             self._send(wire.Rejected(msg.rid, exc.code, exc.message, exc.param))
             return
-        except wire.ProtocolError as exc:
-            self._send(wire.Rejected(msg.rid, "invalid_request", str(exc), None))
-            return
         self._live_rids.add(msg.rid)
-        self._send(wire.Accepted(msg.rid, prompt_tokens))
+        self._send(wire.Accepted(msg.rid, len(prompt_ids)))
 
     def _on_tokenize(self, msg: wire.Tokenize) -> None:
-        assert self.engine is not None
+        assert self.engine is not None and self.prompts is not None
         try:
             if msg.messages is not None:
-                ids = self._render_chat(msg.messages)
+                ids = self.prompts.chat_ids(msg.messages)
             else:
                 ids = self.engine.encode(msg.prompt or "", add_special_tokens=msg.add_special_tokens)
         except RequestRejected as exc:
@@ -265,40 +262,14 @@ class Worker:
         self._send(wire.Tokens(msg.rid, ids, ""))
 
     def _on_detokenize(self, msg: wire.Detokenize) -> None:
-        assert self.engine is not None
-        vocab = int(self.engine.info().get("vocab_size") or 0)
-        bad = [t for t in msg.token_ids if not isinstance(t, int) or t < 0 or (vocab and t >= vocab)]
+        assert self.engine is not None and self.info is not None
+        vocab = self.info.vocab_size
+        bad = [t for t in msg.token_ids if t < 0 or (vocab and t >= vocab)]
         if bad:
-            self._send(
-                wire.Rejected(msg.rid, "invalid_tokens", f"token ids out of range: {bad[:5]}", "tokens")
-            )
+            message = f"token ids out of range: {bad[:5]}"
+            self._send(wire.Rejected(msg.rid, RejectCode.INVALID_TOKENS, message, "tokens"))
             return
         self._send(wire.Tokens(msg.rid, list(msg.token_ids), self.engine.decode(list(msg.token_ids))))
-
-    def _render_chat(self, messages: list[dict[str, Any]]) -> list[int]:
-        assert self.engine is not None
-        if self.chat_template is None:
-            raise RequestRejected(
-                "chat_template_missing",
-                "this model has no chat template; use /v1/completions or set one in models.yaml",
-                "messages",
-            )
-        try:
-            text = self.chat_template.render(messages, add_generation_prompt=True)
-        except TemplateError as exc:
-            raise RequestRejected("invalid_messages", str(exc), "messages") from None
-        # The template already holds bos and other special tokens.
-        return self.engine.encode(text, add_special_tokens=False)
-
-    def _prompt_ids(self, msg: wire.Generate) -> list[int]:
-        assert self.engine is not None
-        if msg.messages is not None:
-            return self._render_chat(msg.messages)
-        if msg.prompt_token_ids is not None:
-            if not all(isinstance(t, int) and not isinstance(t, bool) for t in msg.prompt_token_ids):
-                raise RequestRejected("invalid_prompt", "prompt token ids must be integers", "prompt")
-            return list(msg.prompt_token_ids)
-        return self.engine.encode(msg.prompt or "", add_special_tokens=True)
 
     def _on_cancel(self, msg: wire.Cancel) -> None:
         assert self.engine is not None
@@ -308,32 +279,14 @@ class Worker:
 
     def _on_reintroduce(self, msg: wire.Reintroduce) -> None:
         self._send(wire.Hello(wire.PROTOCOL_VERSION, self.worker_id, os.getpid()))
-        if self.state == "ready" and self._ready_info is not None:
-            self._send(wire.Ready(self._ready_info))
+        if self.state is WorkerState.READY and self._ready is not None:
+            self._send(self._ready)
 
     def _on_shutdown(self, msg: wire.Shutdown) -> None:
         logger.info("shutdown requested (grace %.1fs)", msg.grace_s)
         self.request_stop(msg.grace_s)
 
-    # ---- helpers -----------------------------------------------------------------------------
-
-    def _with_token_texts(self, output: wire.JobOutput) -> wire.JobOutput:
-        """Engines give logprobs by token id; clients want token strings, which need our tokenizer."""
-        assert self.engine is not None and output.logprobs is not None
-        decode = self.engine.decode
-        entries = []
-        for token_id, (logprob, alternatives) in zip(output.token_ids, output.logprobs, strict=False):
-            alts = [[decode([int(alt_id)]), float(alt_lp)] for alt_id, alt_lp in alternatives]
-            entries.append([decode([int(token_id)]), float(logprob), alts])
-        return wire.JobOutput(
-            output.rid, output.text, output.token_ids, output.finish_reason, output.usage, entries
-        )
-
-    def _stats(self) -> dict[str, Any]:
-        assert self.engine is not None
-        stats = dict(self.engine.stats())
-        stats["state"] = self.state
-        return stats
+    # ---- sending -------------------------------------------------------------------------------
 
     def _send(self, message: wire.Message) -> None:
         try:

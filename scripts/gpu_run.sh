@@ -57,7 +57,7 @@ export GPU_TEST_TINY_MODEL=/tmp/models/tiny-gpu GPU_TEST_TINY_MODEL_B=/tmp/model
 export GPU_TEST_BIG_MODEL=/tmp/models/llama3-8b GPU_TEST_RESULTS=$OUT/results.jsonl
 python3 - <<'EOF' || { say "model creation failed"; exit 1; }
 import os
-from gateway.demo_model import make_demo_model
+from gateway.demo.model import make_demo_model
 for env, preset, seed in (("GPU_TEST_TINY_MODEL", "tiny-gpu", 0), ("GPU_TEST_TINY_MODEL_B", "tiny-gpu", 1),
                           ("GPU_TEST_BIG_MODEL", "llama3-8b", 0)):
     make_demo_model(os.environ[env], preset=preset, seed=seed, device="cuda")
@@ -93,7 +93,7 @@ for stage in $stages; do
         spec)  # speculative decoding: plain vs n-gram vs a draft model sharing the 8B shape's vocabulary
             limit=$(allow 200)
             say "stage spec (limit ${limit}s)"
-            timeout -k 10 "$limit" python3 -c "from gateway.demo_model import make_demo_model as m; \
+            timeout -k 10 "$limit" python3 -c "from gateway.demo.model import make_demo_model as m; \
 m('/tmp/models/draft-8b-vocab', preset='tiny-gpu', seed=3, device='cuda', vocab_size=128256)" &&
             timeout -k 10 "$limit" python3 bench/bench_speculative.py --model "$GPU_TEST_BIG_MODEL" \
                 --draft /tmp/models/draft-8b-vocab --out "$OUT/bench_speculative.json" | tee "$OUT/bench_speculative.md"

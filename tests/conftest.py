@@ -1,7 +1,7 @@
 """Shared pytest fixtures: offline demo models built once per test session.
 
 Runs in the pytest process. Owns the session-scoped demo model folders (random-weight Llama models
-with a freshly trained tokenizer, written by `gateway.demo_model`), so no test needs the network.
+with a freshly trained tokenizer, written by `gateway.demo.model`), so no test needs the network.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ if str(REPO_ROOT) not in sys.path[:1]:
 # Tests never reach a model hub; failing fast beats waiting on a network timeout.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from gateway.demo_model import make_demo_model  # noqa: E402
+from gateway.demo.model import make_demo_model  # noqa: E402
 
 
 @pytest.fixture(scope="session")

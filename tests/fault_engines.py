@@ -17,19 +17,22 @@ from __future__ import annotations
 import os
 import signal
 import time
-from typing import Any
 
 from model_worker.engines.base import ProgressCallback
-from model_worker.engines.transformers_engine import TransformersEngine
-from model_worker.protocol import JobOutput, SamplingParams
+from model_worker.engines.transformers.engine import TransformersEngine
+from model_worker.engines.transformers.settings import TransformersSettings
+from wire.params import SamplingParams
+from wire.results import JobOutput
 
 MARKERS = ("crash", "segfault", "hang", "stall", "slow")
 FAULT_AFTER_STEPS = 10  # late enough that Accepted has left the process
 
 
 class FaultyEngine(TransformersEngine):
-    def __init__(self, settings: Any) -> None:
-        super().__init__(settings)
+    Settings = TransformersSettings  # what the engine registry validates its engine_settings with
+
+    def __init__(self, path: str, max_seq_len: int, settings: TransformersSettings) -> None:
+        super().__init__(path, max_seq_len, settings)
         self._faults: dict[str, str] = {}
         self._steps_since_fault: dict[str, int] = {}
 
@@ -42,13 +45,13 @@ class FaultyEngine(TransformersEngine):
             raise RuntimeError("injected load failure")
         super().load(progress)
 
-    def submit(self, rid: str, prompt_ids: list[int], params: SamplingParams) -> int:
+    def submit(self, rid: str, prompt_ids: list[int], params: SamplingParams) -> None:
         text = self.decode(prompt_ids)
         for marker in MARKERS:
             if f"<<{marker}>>" in text:
                 self._faults[rid] = marker
                 self._steps_since_fault[rid] = 0
-        return super().submit(rid, prompt_ids, params)
+        super().submit(rid, prompt_ids, params)
 
     def cancel(self, rid: str) -> bool:
         self._faults.pop(rid, None)

@@ -1,23 +1,27 @@
-"""The engine interface, as seen by the worker's serve loop.
+"""The engine contract: the interface the serve loop drives, and the base of every settings model.
 
-Runs in a worker process. An engine owns exactly one model, one generator and one cache, and is
-driven by one thread: the serve loop calls `submit`, `cancel` and `step` between socket polls,
-never concurrently. Engine-specific result dictionaries stay inside the engine module; the
-serve loop only sees `JobOutput` (from the wire protocol) and `RequestRejected`.
+Imported in the worker process (and, for the settings base only, by `model_worker.settings_check`,
+which the gateway runs at config time; nothing here imports torch). An engine owns exactly one
+model, one generator and one cache, and is driven by one thread: the serve loop calls `submit`,
+`cancel` and `step` between socket polls, never concurrently. Engine result dictionaries stay
+inside each engine's folder; the serve loop only sees the wire types (JobOutput, EngineStats,
+EngineInfo) and `RequestRejected`.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from pathlib import Path
+from typing import ClassVar, Protocol
 
-from model_worker.protocol import JobOutput, SamplingParams
+from pydantic import BaseModel, ConfigDict, Field
+
+from wire.params import SamplingParams
+from wire.results import JobOutput, RejectCode
+from wire.stats import EngineInfo, EngineStats
 
 # (detail, progress in [0, 1] or None) -> None; the serve loop forwards it as a Status message.
 ProgressCallback = Callable[[str, "float | None"], None]
-
 
 # Temperatures below this are greedy: dividing logits by them overflows to inf (vLLM does the same).
 GREEDY_BELOW_TEMPERATURE = 1e-5
@@ -26,37 +30,41 @@ GREEDY_BELOW_TEMPERATURE = 1e-5
 class RequestRejected(Exception):
     """One request cannot run (too long, bad parameter). Recoverable: the worker keeps serving."""
 
-    def __init__(self, code: str, message: str, param: str | None = None) -> None:
+    def __init__(self, code: RejectCode, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
         self.param = param
 
 
-class EngineFatal(Exception):
-    """The engine's state can no longer be trusted; the worker must report it and exit."""
+class EngineSettings(BaseModel):
+    """Settings every engine takes; each engine's folder subclasses it with its own fields.
 
+    Validated twice: by the gateway at config time (through `model_worker.settings_check`, with the
+    registry's max_seq_len, GPU counts and folder in the validation context) and by the worker
+    before it loads. Relative paths resolve against the registry file's folder.
+    """
 
-@dataclass
-class EngineSettings:
-    """The registry entry's engine-relevant fields, as the worker received them."""
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    # Whether the engine refuses to run without a GPU (checked at config time for local workers).
+    needs_gpu: ClassVar[bool] = False
 
-    path: str
-    max_seq_len: int
-    max_batch_size: int = 8
-    max_chunk_size: int = 2048
-    cache_size: int | None = None
-    cache_mode: str = "FP16"
-    gpu_split: list[float] | None = None
-    reserve_vram_gb: float = 0.0
-    dtype: str = "auto"
-    threads: int | None = None
-    draft_path: str | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
+    max_batch_size: int = Field(8, ge=1, description="Jobs batched in one generator step.")
+    max_chunk_size: int = Field(
+        2048, ge=16, description="Prompt tokens per prefill step; bounds the time of one step."
+    )
+
+    def weight_dirs(self) -> list[Path]:
+        """Model folders the engine loads besides the model's own (draft models): for placement."""
+        return []
+
+    def reserved_vram_gb(self) -> float:
+        """GB per GPU that placement must leave free beside the weights."""
+        return 0.0
 
 
 class Engine(Protocol):
-    """The narrow surface every engine implements. Adding an engine means adding one module."""
+    """The narrow surface every engine implements. Adding an engine is a folder and a registry line."""
 
     def load(self, progress: ProgressCallback) -> None:
         """Load weights, tokenizer, cache and generator. Raises on failure (fatal)."""
@@ -66,8 +74,9 @@ class Engine(Protocol):
 
     def decode(self, token_ids: list[int]) -> str: ...
 
-    def submit(self, rid: str, prompt_ids: list[int], params: SamplingParams) -> int:
-        """Queue a job; returns its prompt token count. Raises RequestRejected if it cannot run."""
+    def submit(self, rid: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Queue a job that passed the shared checks (engines.validation); RequestRejected if this
+        engine in particular cannot run it."""
 
     def cancel(self, rid: str) -> bool:
         """Stop a job and free its cache; False if it was unknown or already finished."""
@@ -77,31 +86,8 @@ class Engine(Protocol):
 
     def has_work(self) -> bool: ...
 
-    def stats(self) -> dict[str, Any]:
-        """active_jobs, queued_jobs and engine figures for heartbeats (plain msgpack types)."""
+    def stats(self) -> EngineStats: ...
 
-    def info(self) -> dict[str, Any]:
-        """engine name, max_seq_len, devices, limits (batch size, paged); plain msgpack types."""
+    def info(self) -> EngineInfo: ...
 
     def close(self) -> None: ...
-
-
-def load_engine(name: str, settings: EngineSettings) -> Engine:
-    """Import only the engine asked for: the exllamav2 module needs CUDA, the other does not."""
-    if name == "transformers":
-        from model_worker.engines.transformers_engine import TransformersEngine
-
-        return TransformersEngine(settings)
-    if name == "exllamav2":
-        from model_worker.engines.exllamav2_engine import ExLlamaV2Engine
-
-        return ExLlamaV2Engine(settings)
-    if name.startswith("test:") and os.environ.get("GATEWAY_ALLOW_TEST_ENGINES") == "1":
-        # Fault-injection engines live under tests/ and are importable only when tests put them
-        # on the path; they are not part of the product.
-        import importlib
-
-        module_name, _, class_name = name[len("test:") :].rpartition(".")
-        engine_class = getattr(importlib.import_module(module_name), class_name)
-        return engine_class(settings)  # type: ignore[no-any-return]
-    raise ValueError(f"unknown engine {name!r}")

@@ -17,7 +17,8 @@ from collections.abc import Iterable
 from typing import Any
 
 from model_worker.engines.base import RequestRejected
-from model_worker.protocol import SamplingParams
+from wire.params import SamplingParams
+from wire.results import RejectCode
 
 logger = logging.getLogger(__name__)
 # lm-format-enforcer logs the text generated so far at ERROR when it cannot continue; generated text
@@ -106,7 +107,7 @@ _NO_FRACTION = str.maketrans("", "", ".eE")
 
 
 def _invalid(message: str) -> RequestRejected:
-    return RequestRejected("invalid_response_format", message, "response_format")
+    return RequestRejected(RejectCode.INVALID_RESPONSE_FORMAT, message, "response_format")
 
 
 def _first_line(exc: BaseException) -> str:

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from model_worker.engines.base import EngineSettings
+from model_worker.engines.registry import create_engine
 from tests.gpu.support import SKIP_REASON, greedy
 
 TINY_SETTINGS = dict(max_seq_len=2048, max_batch_size=4, max_chunk_size=512)
@@ -28,7 +28,7 @@ def _model_dir(env: str, tmp_path_factory: pytest.TempPathFactory, preset: str, 
     given = os.environ.get(env)
     if given:
         return Path(given)
-    from gateway.demo_model import make_demo_model
+    from gateway.demo.model import make_demo_model
 
     return make_demo_model(
         tmp_path_factory.mktemp("models") / preset, preset=preset, seed=seed, device="cuda"
@@ -51,10 +51,9 @@ def big_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _model_dir("GPU_TEST_BIG_MODEL", tmp_path_factory, "llama3-8b", 0)
 
 
-def load_engine(path: Path, **settings: Any) -> Any:
-    from model_worker.engines.exllamav2_engine import ExLlamaV2Engine
-
-    engine = ExLlamaV2Engine(EngineSettings(path=str(path), **settings))
+def load_engine(path: Path, max_seq_len: int, **settings: Any) -> Any:
+    """An exllamav2 engine, loaded; `settings` are its engine_settings (validated as in a registry)."""
+    engine = create_engine("exllamav2", str(path), max_seq_len, settings)
     engine.load(lambda detail, progress: None)
     return engine
 

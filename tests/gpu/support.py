@@ -18,7 +18,8 @@ from typing import Any
 
 import httpx
 
-from model_worker.protocol import JobOutput, SamplingParams
+from wire.params import SamplingParams
+from wire.results import JobOutput
 
 
 def gpu_skip_reason() -> str | None:

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from model_worker.serve_loop import Worker
+from model_worker.warmup import warm_up
 from tests.gpu.support import SKIP_REASON, greedy, record, run_job, run_jobs
 
 if SKIP_REASON:
@@ -21,6 +21,7 @@ if SKIP_REASON:
 import torch  # noqa: E402
 
 from model_worker.engines.base import RequestRejected  # noqa: E402
+from model_worker.engines.validation import check_job  # noqa: E402
 from tests.gpu.conftest import BIG_SETTINGS, TINY_SETTINGS, load_engine  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -38,7 +39,7 @@ def test_warm_up_effect(which: str, request: pytest.FixtureRequest) -> None:
         # The first short job shows the cold cost; then exactly the serve loop's own warm-up runs.
         warm_ids = engine.encode(WARMUP_PROMPT, True)
         warm = [run_job(engine, warm_ids, greedy(32)).seconds]
-        warm.append(Worker._warm_up(Worker.__new__(Worker), engine, 2))
+        warm.append(warm_up(engine, engine.max_seq_len, 2))
         ids = engine.encode(PROMPT, True)
         seconds = [run_job(engine, ids, greedy(64)).seconds for _ in range(5)]
     finally:
@@ -85,15 +86,15 @@ def test_usage_counts_and_timings(engine: Any) -> None:
     ids = engine.encode(PROMPT, True)
     run = run_job(engine, ids, greedy(40))
     usage = run.final.usage
-    assert usage["prompt_tokens"] == len(ids)
-    assert usage["completion_tokens"] == 40 == len(run.token_ids)
+    assert usage.prompt_tokens == len(ids)
+    assert usage.completion_tokens == 40 == len(run.token_ids)
     for key in ("queue_s", "prefill_s", "decode_s"):
         assert 0.0 <= usage[key] <= run.seconds + 0.01, (key, usage)
     again = run_job(engine, ids, greedy(40)).final.usage
     record(
         "engine usage tiny",
-        cached_tokens_first=usage["cached_tokens"],
-        cached_tokens_again=again["cached_tokens"],
+        cached_tokens_first=usage.cached_tokens,
+        cached_tokens_again=again.cached_tokens,
     )
 
 
@@ -104,7 +105,7 @@ def test_concurrent_jobs_match_solo_runs(engine: Any) -> None:
         engine.submit(rid, ids, greedy(32))
     most_active, finished = 0, set()
     while engine.has_work():
-        most_active = max(most_active, engine.stats()["active_jobs"])
+        most_active = max(most_active, engine.stats().active_jobs)
         outputs = engine.step()
         finished |= {o.rid for o in outputs if o.finish_reason}
     assert finished == set(prompts)
@@ -184,17 +185,19 @@ def test_logprobs(engine: Any) -> None:
     run = run_job(engine, engine.encode(PROMPT, True), greedy(8, logprobs=3))
     entries = [entry for output in run.outputs for entry in output.logprobs]
     assert len(entries) == len(run.token_ids) == 8
-    for logprob, top in entries:
-        assert logprob <= 0.0
-        assert len(top) == 3 and all(isinstance(t, int) and lp <= 0.0 for t, lp in top)
+    for entry, token_id in zip(entries, run.token_ids, strict=True):
+        assert entry.token_id == token_id and entry.token == engine.decode([token_id])
+        assert entry.logprob <= 0.0
+        assert len(entry.top) == 3 and all(t.logprob <= 0.0 and t.token == engine.decode([t.token_id])
+                                           for t in entry.top)  # fmt: skip
 
 
 def test_context_length(engine: Any) -> None:
-    max_seq_len = engine.settings.max_seq_len
+    max_seq_len = engine.max_seq_len
     unit = engine.encode(PROMPT, False)
     too_long = (unit * (max_seq_len // len(unit) + 1))[:max_seq_len]
-    with pytest.raises(RequestRejected) as rejected:
-        engine.submit("long", too_long, greedy(4))
+    with pytest.raises(RequestRejected) as rejected:  # the worker's shared check, before the engine
+        check_job(too_long, greedy(4), max_seq_len, engine.info().vocab_size)
     assert rejected.value.code == "context_length_exceeded"
     assert not engine.has_work()
     run = run_job(engine, too_long[:-5], greedy(100))
@@ -203,16 +206,14 @@ def test_context_length(engine: Any) -> None:
 
 def test_info_reports_devices(engine: Any) -> None:
     info = engine.info()
-    assert info["engine"] == "exllamav2" and info["max_seq_len"] == TINY_SETTINGS["max_seq_len"]
-    assert info["cache_size"] % 256 == 0 and info["cache_size"] >= info["max_seq_len"]
-    assert info["attention"] != "sdpa", "exllamav2 0.3.2's SDPA fallback prefills without a causal mask"
-    assert len(info["devices"]) == torch.cuda.device_count()
-    for device in info["devices"]:
-        assert device["name"] and device["uuid"].startswith("GPU-")
-        assert 0 < device["memory_used_mib"] < device["memory_total_mib"]
-    record(
-        "engine info", paged=info["paged"], cache_size=info["cache_size"], device=info["devices"][0]["name"]
-    )
+    assert info.engine == "exllamav2" and info.max_seq_len == TINY_SETTINGS["max_seq_len"]
+    assert info.cache_size % 256 == 0 and info.cache_size >= info.max_seq_len
+    assert info.attention != "sdpa", "exllamav2 0.3.2's SDPA fallback prefills without a causal mask"
+    assert len(info.devices) == torch.cuda.device_count()
+    for device in info.devices:
+        assert device.name and device.uuid.startswith("GPU-")
+        assert 0 < device.memory_used_mib < device.memory_total_mib
+    record("engine info", paged=info.paged, cache_size=info.cache_size, device=info.devices[0].name)
 
 
 def test_speculative_decoding_matches_plain_greedy(engine: Any, tiny_model: Path) -> None:
@@ -225,26 +226,24 @@ def test_speculative_decoding_matches_plain_greedy(engine: Any, tiny_model: Path
         drafting.close()
     plain = run_job(engine, ids, greedy(48)).token_ids
     same = next((i for i, (a, b) in enumerate(zip(run.token_ids, plain, strict=True)) if a != b), 48)
-    record(
-        "engine speculative tiny", identical_tokens=same, accepted=run.final.usage["accepted_draft_tokens"]
-    )
+    record("engine speculative tiny", identical_tokens=same, accepted=run.final.usage.accepted_draft_tokens)
     assert run.token_ids == plain
-    assert run.final.usage["completion_tokens"] == 48
-    assert run.final.usage["accepted_draft_tokens"] > 0
+    assert run.final.usage.completion_tokens == 48
+    assert run.final.usage.accepted_draft_tokens > 0
 
 
 def test_ngram_drafting_matches_plain_greedy(engine: Any, tiny_model: Path) -> None:
     # A repetitive prompt gives n-gram drafts something to propose; the output must not change.
     ids = engine.encode(PROMPT * 4, True)
-    drafting = load_engine(tiny_model, extra={"ngram_draft": True}, **TINY_SETTINGS)
+    drafting = load_engine(tiny_model, ngram_draft=True, **TINY_SETTINGS)
     try:
-        assert drafting.info()["ngram_draft"] is True
+        assert drafting.info().draft == "ngram"
         run = run_job(drafting, ids, greedy(48))
     finally:
         drafting.close()
     plain = run_job(engine, ids, greedy(48)).token_ids
-    record("engine ngram tiny", accepted=run.final.usage.get("accepted_draft_tokens", 0))
-    assert run.token_ids == plain and run.final.usage["completion_tokens"] == 48
+    record("engine ngram tiny", accepted=run.final.usage.accepted_draft_tokens)
+    assert run.token_ids == plain and run.final.usage.completion_tokens == 48
 
 
 def test_prefill_chunking_and_cache_history_do_not_change_output(engine: Any, tiny_model: Path) -> None:

@@ -19,7 +19,7 @@ if SKIP_REASON:
     pytest.skip(SKIP_REASON, allow_module_level=True)
 
 from model_worker.engines.base import RequestRejected  # noqa: E402
-from model_worker.protocol import SamplingParams  # noqa: E402
+from wire.params import SamplingParams  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 

@@ -22,17 +22,23 @@ def write_registry(path: Path, models: list[dict[str, object]], **server: object
     return path
 
 
+# Keys of the transformers engine's settings: demo_entry puts them under engine_settings.
+ENGINE_KEYS = frozenset({"threads", "max_batch_size", "max_chunk_size", "dtype"})
+
+
 def demo_entry(name: str, path: Path, **extra: object) -> dict[str, object]:
+    """A transformers model entry; engine settings given as keywords go to its engine_settings."""
+    engine_settings: dict[str, object] = {"threads": 1, "max_batch_size": 32}
+    engine_settings.update({k: v for k, v in extra.items() if k in ENGINE_KEYS})
     entry: dict[str, object] = {
         "name": name,
         "engine": "transformers",
         "path": str(path),
         "max_seq_len": 2048,
-        "threads": 1,
-        "max_batch_size": 32,
+        "engine_settings": engine_settings,
         "limits": {"max_concurrent_jobs": 32, "max_queued_requests": 64},
     }
-    entry.update(extra)
+    entry.update({k: v for k, v in extra.items() if k not in ENGINE_KEYS})
     return entry
 
 

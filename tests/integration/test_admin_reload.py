@@ -96,7 +96,9 @@ def test_reload_applies_the_difference_without_dropping_requests(
 def test_invalid_reload_changes_nothing(setup: tuple[GatewayProcess, Path, Path]) -> None:
     gateway, config, _ = setup
     before = {w["model"]: w["pid"] for w in gateway.workers()}
-    config.write_text("models:\n  - {name: broken, engine: transformers, path: x, max_batch_size: 0}\n")
+    config.write_text(
+        "models:\n  - {name: broken, engine: transformers, path: x, engine_settings: {max_batch_size: 0}}\n"
+    )
     reply = httpx.post(gateway.url + "/admin/reload", timeout=30)
     assert reply.status_code == 400
     error = reply.json()["error"]

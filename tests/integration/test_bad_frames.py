@@ -13,9 +13,12 @@ from pathlib import Path
 import msgpack
 import zmq
 
-from model_worker import protocol as wire
 from tests.harness import REPO_ROOT, GatewayProcess
 from tests.integration.conftest import demo_entry, write_registry
+from wire import messages as wire
+from wire.codec import MAX_FRAME_BYTES
+from wire.params import SamplingParams
+from wire.results import JobOutput
 
 BAD_FRAMES = [
     b"",
@@ -44,7 +47,9 @@ def test_worker_drops_bad_frames_and_keeps_serving(tmp_path: Path, demo_model_di
     spec = {
         "name": "m",
         "engine": "transformers",
-        "settings": {"path": str(demo_model_dir), "max_seq_len": 512, "threads": 1},
+        "path": str(demo_model_dir),
+        "max_seq_len": 512,
+        "engine_settings": {"threads": 1},
         "heartbeat_interval_s": 0.2,
     }
     cmd = [
@@ -65,10 +70,10 @@ def test_worker_drops_bad_frames_and_keeps_serving(tmp_path: Path, demo_model_di
             identity, message = recv(router)
             if isinstance(message, wire.Ready):
                 break
-        for frame in [*BAD_FRAMES, b"\x00" * (wire.MAX_FRAME_BYTES + 10)]:
+        for frame in [*BAD_FRAMES, b"\x00" * (MAX_FRAME_BYTES + 10)]:
             router.send_multipart([identity, frame])
         time.sleep(0.5)  # an oversized frame drops the connection; the DEALER reconnects by itself
-        params = wire.SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True).to_wire()
+        params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
         router.send_multipart([identity, wire.encode(wire.Generate("good", "hello", None, None, params))])
         finish = None
         while finish is None:
@@ -103,7 +108,7 @@ def test_gateway_drops_bad_frames_from_rogue_peers(tmp_path: Path, demo_model_di
         frames = [
             *BAD_FRAMES,
             wire.encode(wire.Hello(99, "m#0", 1)),
-            wire.encode(wire.Step([wire.JobOutput("nobody", "x", [1], None, None)])),
+            wire.encode(wire.Step([JobOutput("nobody", "x", [1])])),
         ]
         for frame in frames:
             rogue.send(frame)

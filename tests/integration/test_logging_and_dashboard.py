@@ -171,7 +171,7 @@ def test_workers_log_json_with_their_id(gateway: GatewayProcess) -> None:
         progress = [
             e
             for e in entries
-            if e["logger"] == "gateway.logging_setup" and e.get("worker", "").startswith(name)
+            if e["logger"] == "gateway.observability.logging_setup" and e.get("worker", "").startswith(name)
         ]
         assert 1 <= len(progress) <= 11 and all(e["level"] == "INFO" for e in progress)
 

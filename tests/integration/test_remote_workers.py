@@ -16,9 +16,9 @@ import httpx
 import pytest
 import zmq
 
-from model_worker import protocol as wire
 from tests.harness import REPO_ROOT, GatewayProcess, free_port
 from tests.integration.conftest import demo_entry, write_registry
+from wire import messages as wire
 
 
 def wait_for(predicate, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]

@@ -27,7 +27,8 @@ def gateway(tmp_path_factory: pytest.TempPathFactory, demo_model_dir: Path) -> I
         # /health/ready needs one ready replica per model; these tests need all three.
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and not all(
-            w["state"] == "ready" and "generated_tokens" in w["stats"] for w in gw.workers()
+            w["state"] == "ready" and w["stats"]["steps"] > 0
+            for w in gw.workers()  # a heartbeat came
         ):
             time.sleep(0.1)
         yield gw

@@ -58,7 +58,9 @@ def test_stalled_reader_is_dropped_and_its_jobs_cancelled(gateway: GatewayProces
         # Read nothing. Once the socket buffers are full (or the job is done and its last chunks
         # are stuck), the watchdog must drop us within write_stall_timeout_s (+ a tick).
         deadline = time.monotonic() + 20
-        while jobs_left(gateway) and time.monotonic() < deadline:
+        while time.monotonic() < deadline and not (
+            jobs_left(gateway) == 0 and "client stopped reading" in gateway.log()
+        ):
             time.sleep(0.1)
         assert jobs_left(gateway) == 0, gateway.workers()
         assert "client stopped reading" in gateway.log()

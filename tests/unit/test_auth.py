@@ -17,7 +17,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from quart import Quart
 
-from gateway.api_keys import (
+from gateway.config.api_keys import (
     ApiKey,
     check_bind_allowed,
     digest_of,
@@ -25,9 +25,9 @@ from gateway.api_keys import (
     is_loopback,
     parse_keys_file,
 )
-from gateway.app import create_app
-from gateway.auth import Authenticator, TokenBucket
-from gateway.config import ConfigError, Registry, parse_registry
+from gateway.config.registry import ConfigError, Registry, parse_registry
+from gateway.http.app import create_app
+from gateway.http.auth import Authenticator, TokenBucket
 
 ALICE = "alice-key-0123456789"
 ADMIN = "admin-key-0123456789"

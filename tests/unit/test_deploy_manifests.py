@@ -372,7 +372,7 @@ def test_gateway_mounts_what_its_registry_names_and_probes_its_health_endpoints(
 
 
 def test_registry_configmap_is_a_valid_registry(docs: list[dict[str, Any]]) -> None:
-    from gateway.config import ModelConfig, ServerConfig, parse_registry
+    from gateway.config.registry import ModelConfig, ServerConfig, parse_registry
 
     if "remote" not in ModelConfig.model_fields or "remote_workers" not in ServerConfig.model_fields:
         pytest.skip("this checkout's registry has no remote workers yet")
@@ -527,7 +527,7 @@ def test_make_secrets_writes_every_generator_file_and_a_probe_key_the_keys_file_
 ) -> None:
     import zmq.auth
 
-    from gateway.api_keys import KeysFile
+    from gateway.config.api_keys import KeysFile
 
     secrets = made_secrets / "secrets"
     for entry in kustomization()["secretGenerator"]:

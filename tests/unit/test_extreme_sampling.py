@@ -7,14 +7,15 @@ from pathlib import Path
 
 import pytest
 
-from model_worker.engines.base import EngineSettings
-from model_worker.engines.transformers_engine import TransformersEngine
-from model_worker.protocol import SamplingParams
+from model_worker.engines.registry import create_engine
+from model_worker.engines.transformers.engine import TransformersEngine
+from wire.params import SamplingParams
+from wire.results import FinishReason
 
 
 @pytest.fixture(scope="module")
 def engine(demo_model_dir: Path) -> TransformersEngine:
-    loaded = TransformersEngine(EngineSettings(path=str(demo_model_dir), max_seq_len=256, threads=1))
+    loaded: TransformersEngine = create_engine("transformers", str(demo_model_dir), 256, {"threads": 1})
     loaded.load(lambda detail, progress: None)
     return loaded
 
@@ -39,7 +40,7 @@ def test_extreme_settings_finish_normally(engine: TransformersEngine, settings: 
     while engine.has_work():
         for output in engine.step():
             finish = output.finish_reason or finish
-    assert finish in ("length", "stop")
+    assert finish in (FinishReason.LENGTH, FinishReason.STOP)
 
 
 def test_tiny_temperature_is_greedy(engine: TransformersEngine) -> None:

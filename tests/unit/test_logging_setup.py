@@ -18,7 +18,8 @@ from typing import Any
 import pytest
 from quart import Quart, Response, g
 
-from gateway.logging_setup import (
+from gateway.http.request_log import begin_request, finish_request
+from gateway.observability.logging_setup import (
     LoadProgressLog,
     configure_logging,
     log_context,
@@ -26,9 +27,9 @@ from gateway.logging_setup import (
     set_log_context,
     start_log_context,
 )
-from gateway.request_log import begin_request, finish_request
-from model_worker import log_format
-from model_worker import protocol as wire
+from wire import log_format
+from wire import messages as wire
+from wire.states import WorkerState
 
 SECRET = "sk-secret-0123456789abcdef"
 PROMPT = "the secret prompt text"
@@ -240,26 +241,26 @@ def test_load_progress_is_logged_at_most_every_ten_percent(caplog: pytest.LogCap
     progress_log = LoadProgressLog()
     seen: list[wire.Message] = []
     observe = progress_log.wrap(lambda worker_id, message: seen.append(message))
-    caplog.set_level(logging.INFO, logger="gateway.logging_setup")
+    caplog.set_level(logging.INFO, logger="gateway.observability.logging_setup")
     for step in range(1001):
-        observe("demo#0", wire.Status("loading", f"module {step}/1000", step / 1000))
+        observe("demo#0", wire.Status(WorkerState.LOADING, f"module {step}/1000", step / 1000))
     assert len(seen) == 1001  # the supervisor still sees every message
-    logged = [r for r in caplog.records if r.name == "gateway.logging_setup"]
+    logged = [r for r in caplog.records if r.name == "gateway.observability.logging_setup"]
     assert [r.getMessage().split(": ")[1].split()[0] for r in logged] == [f"{p}%" for p in range(0, 101, 10)]
     assert all(r.levelno == logging.INFO and r.worker == "demo#0" for r in logged)  # type: ignore[attr-defined]
     caplog.clear()
-    observe("demo#0", wire.Status("loading", "again", 0.5))
+    observe("demo#0", wire.Status(WorkerState.LOADING, "again", 0.5))
     assert not caplog.records  # no going back while the same load runs
     observe("demo#0", wire.Hello(wire.PROTOCOL_VERSION, "demo#0", 1))  # a restarted process
-    observe("demo#0", wire.Status("loading", "again", 0.05))
-    observe("demo#0", wire.Status("warming", "warm-up", None))
+    observe("demo#0", wire.Status(WorkerState.LOADING, "again", 0.05))
+    observe("demo#0", wire.Status(WorkerState.WARMING, "warm-up", None))
     assert [r.getMessage() for r in caplog.records] == ["worker demo#0 loading: 5% (again)"]
 
 
 def test_wrapped_callbacks_get_every_argument() -> None:
     received: list[tuple[Any, ...]] = []
     observe = LoadProgressLog().wrap(lambda *args: received.append(args))
-    status = wire.Status("loading", "weights", 0.5)
+    status = wire.Status(WorkerState.LOADING, "weights", 0.5)
     observe("demo#0", status, True)  # the link adds whether the frame came in over tcp
     observe("demo#0", status)
     assert received == [("demo#0", status, True), ("demo#0", status)]

@@ -6,8 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from gateway.config import parse_registry
-from gateway.placement import GIB, Gpu, check_placement
+from gateway.config.placement import GIB, Gpu, check_placement
+from gateway.config.registry import parse_registry
 from tests.harness import REPO_ROOT
 
 

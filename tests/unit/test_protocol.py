@@ -1,66 +1,121 @@
-"""Wire protocol: round trips of every message, and refusal of bad, oversized and pickled frames."""
+"""The shared wire package: round trips of every message, typed leaves, refusal of bad frames, and
+the import rule (the wire package imports neither process, nor torch or Quart)."""
 
 from __future__ import annotations
 
 import pickle
+import subprocess
+import sys
 
 import msgpack
 import pytest
 
-from model_worker import protocol as wire
+from tests.harness import REPO_ROOT
+from wire import messages as wire
+from wire.codec import MAX_FRAME_BYTES, ProtocolError, from_plain, to_plain
+from wire.params import ChatMessage, SamplingParams, WorkerSpec
+from wire.results import (
+    AbortReason,
+    FinishReason,
+    JobOutput,
+    RejectCode,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+)
+from wire.states import WorkerState
+from wire.stats import DeviceInfo, EngineInfo, EngineStats
 
+INFO = EngineInfo("transformers", "5.0", 2048, 8, 512, 32000, False, [DeviceInfo(0, "cpu", "cpu")])
 MESSAGES = [
-    wire.Generate(
-        "r1", "hello", None, None, wire.SamplingParams(stop=["\n"], logit_bias={5: -1.0}).to_wire()
-    ),
-    wire.Generate("r2", None, [1, 2, 3], None, {}),
-    wire.Generate("r3", None, None, [{"role": "user", "content": "hi"}], {"max_tokens": 4}),
+    wire.Generate("r1", "hello", None, None, SamplingParams(stop=["\n"], logit_bias={5: -1.0})),
+    wire.Generate("r2", None, [1, 2, 3], None, SamplingParams()),
+    wire.Generate("r3", None, None, [ChatMessage("user", "hi", "bob")], SamplingParams(max_tokens=4)),
     wire.Cancel("r1"),
+    wire.Tokenize("t1", None, [ChatMessage("user", "hi")], True),
+    wire.Detokenize("t2", [1, 2]),
     wire.Shutdown(2.5),
+    wire.Reintroduce(),
     wire.Hello(wire.PROTOCOL_VERSION, "w#0", 1234),
-    wire.Status("loading", "weights", 0.5),
-    wire.Ready({"engine": "transformers", "max_seq_len": 2048, "devices": [{"name": "cpu"}]}),
+    wire.Status(WorkerState.LOADING, "weights", 0.5),
+    wire.Ready(INFO, 99, 1.5, 0.25, True),
     wire.Accepted("r1", 17),
-    wire.Rejected("r1", "context_length_exceeded", "too long", "messages"),
+    wire.Rejected("r1", RejectCode.CONTEXT_LENGTH_EXCEEDED, "too long", "messages"),
+    wire.Tokens("t1", [4, 5], ""),
     wire.Step(
         [
-            wire.JobOutput("r1", "Hi", [5, 6], None, None),
-            wire.JobOutput(
-                "r2", "", [7], "stop", {"prompt_tokens": 3, "completion_tokens": 1}, [[-0.1, [[7, -0.1]]]]
+            JobOutput("r1", "Hi", [5, 6]),
+            JobOutput(
+                "r2",
+                "x",
+                [7],
+                FinishReason.STOP,
+                Usage(3, 1, queue_s=0.5),
+                [TokenLogprob("x", 7, -0.1, [TopLogprob("x", 7, -0.1), TopLogprob("y", 8, -2.5)])],
             ),
         ]
-    ),
-    wire.Heartbeat({"active_jobs": 2, "queued_jobs": 0}),
+    ),  # fmt: skip
+    wire.JobsAborted(["r1", "r2"], AbortReason.SHUTDOWN, "the server is shutting down"),
+    wire.Heartbeat(WorkerState.READY, EngineStats(active_jobs=2, gpu_memory_used_bytes={"0": 1 << 30})),
     wire.Fatal("CUDA error"),
 ]
 
 
 @pytest.mark.parametrize("message", MESSAGES, ids=lambda m: type(m).__name__)
 def test_round_trip(message: wire.Message) -> None:
-    assert wire.decode(wire.encode(message)) == message
+    decoded = wire.decode(wire.encode(message))
+    assert decoded == message and type(decoded) is type(message)
 
 
-def test_sampling_params_round_trip_and_defaults() -> None:
-    params = wire.SamplingParams(max_tokens=7, temperature=0.0, seed=3, stop=["x"], logprobs=2)
-    assert wire.SamplingParams.from_wire(params.to_wire()) == params
-    assert wire.SamplingParams.from_wire({}) == wire.SamplingParams()
+def test_leaves_decode_to_their_types() -> None:
+    step = wire.decode(wire.encode(MESSAGES[14]))
+    assert isinstance(step, wire.Step)
+    last = step.outputs[1]
+    assert last.finish_reason is FinishReason.STOP and isinstance(last.usage, Usage)
+    assert last.logprobs is not None and isinstance(last.logprobs[0].top[1], TopLogprob)
+    status = wire.decode(wire.encode(wire.Status(WorkerState.WARMING, "", None)))
+    assert isinstance(status, wire.Status) and status.state is WorkerState.WARMING
+
+
+def test_trailing_defaults_may_be_left_out_but_extra_fields_never_pass() -> None:
+    assert from_plain(Usage, [3, 1]) == Usage(3, 1)
+    with pytest.raises(ProtocolError, match="fields"):
+        from_plain(Usage, [3, 1, 0, 0.0, 0.0, 0.0, 0, 0, 99])
+    with pytest.raises(ProtocolError, match="fields"):
+        from_plain(Usage, [3])
+
+
+def test_worker_spec_round_trip() -> None:
+    spec = WorkerSpec("m", "transformers", "/models/m", 2048, {"threads": 1, "nested": {"a": [1.5]}})
+    assert from_plain(WorkerSpec, to_plain(spec)) == spec
 
 
 @pytest.mark.parametrize(
-    "raw",
+    ("raw", "match"),
     [
-        {"max_tokens": "7"},
-        {"unknown": 1},
-        {"stop": [1]},
-        {"temperature": float("nan")},
-        {"logit_bias": {"a": 1}},
-        {"ignore_eos": 1},
-        [],
+        (["cancel", [5]], "str expected"),
+        (["acc", ["r", True]], "int expected"),
+        (["gen", ["r", None, None, None, to_plain(SamplingParams())]], "exactly one"),
+        (["gen", ["r", "p", None, None, [256, float("nan")]]], "not finite"),
+        (
+            ["gen", ["r", "p", None, None, [256, 1.0, 1.0, 0, 0.0, 1.0, 1.0, 0.0, 0.0, None, [1]]]],
+            "str expected",
+        ),
+        (["status", ["booting", "", None]], "not a WorkerState"),
+        (["rej", ["r", "made_up_code", "m", None]], "not a RejectCode"),
+        (["hb", ["ready", [-1]]], "negative"),
+        (["hb", ["ready", ["x"]]], "int expected"),
+        (["hb", ["ready", [0, 0, 0, 0, 0, 0, 0.0, 1.5]]], "within"),
+        (["step", [[["r", "t", [1], "maybe"]]]], "not a FinishReason"),
+        (["step", [[["r", "t", [True]]]]], "int expected"),
+        (["step", [[["r", "t"]]]], "fields"),
+        (["nope", []], "unknown message tag"),
+        ({"tag": "gen"}, "not \\[tag, fields\\]"),
     ],
 )
-def test_sampling_params_rejects_bad_values(raw: object) -> None:
-    with pytest.raises(wire.ProtocolError):
-        wire.SamplingParams.from_wire(raw)
+def test_bad_values_are_refused_with_the_field_named(raw: object, match: str) -> None:
+    with pytest.raises(ProtocolError, match=match):
+        wire.decode(msgpack.packb(raw))
 
 
 @pytest.mark.parametrize(
@@ -68,22 +123,45 @@ def test_sampling_params_rejects_bad_values(raw: object) -> None:
     [
         b"",
         b"\xc1garbage",
-        msgpack.packb({"tag": "gen"}),
-        msgpack.packb(["nope", []]),
-        msgpack.packb(["cancel", []]),
-        msgpack.packb(["cancel", [5]]),
-        msgpack.packb(["acc", ["r", True]]),
-        msgpack.packb(["step", [[["r", "t"]]]]),
         msgpack.packb(["cancel", [msgpack.ExtType(1, b"x")]]),
         pickle.dumps(wire.Cancel("r1")),
         pickle.dumps({"t": "cancel"}),
     ],
 )
 def test_bad_frames_raise_protocol_error(frame: bytes) -> None:
-    with pytest.raises(wire.ProtocolError):
+    with pytest.raises(ProtocolError):
         wire.decode(frame)
 
 
 def test_oversized_frame_is_refused_before_parsing() -> None:
-    with pytest.raises(wire.ProtocolError, match="exceeds"):
-        wire.decode(b"\x00" * (wire.MAX_FRAME_BYTES + 1))
+    with pytest.raises(ProtocolError, match="exceeds"):
+        wire.decode(b"\x00" * (MAX_FRAME_BYTES + 1))
+
+
+def test_wire_package_imports_neither_process_nor_heavy_libraries() -> None:
+    code = (
+        "import sys, wire.messages, wire.states, wire.log_format; "
+        "bad = [m for m in sys.modules if m.split('.')[0] in "
+        "('gateway', 'model_worker', 'torch', 'quart', 'pydantic', 'zmq')]; print(bad)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO_ROOT, check=True
+    )
+    assert out.stdout.strip() == "[]"
+
+
+def test_the_two_processes_never_import_each_other() -> None:
+    """The gateway never imports the worker package and the worker never imports the gateway's."""
+    code = (
+        "import sys, importlib, pkgutil, {pkg}; "
+        "[importlib.import_module(m.name) for m in pkgutil.walk_packages({pkg}.__path__, '{pkg}.') "
+        " if not m.name.endswith(('.engine', '__main__'))]; "
+        "print(sorted({{m.split('.')[0] for m in sys.modules}} & {{'{other}'}}))"
+    )
+    for package, other in (("gateway", "model_worker"), ("model_worker", "gateway")):
+        out = subprocess.run(
+            [sys.executable, "-c", code.format(pkg=package, other=other)],
+            capture_output=True, text=True, cwd=REPO_ROOT, check=False,
+        )  # fmt: skip
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert out.stdout.strip() == "[]", f"{package} imports {other}"

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.config import ConfigError, load_registry
+from gateway.config.registry import ConfigError, load_registry
 from tests.harness import REPO_ROOT
 
 
@@ -30,8 +30,7 @@ models:
   - name: beta
     path: /abs/beta
     gpus: [0, 1]
-    gpu_split: [20, 24]
-    cache_mode: Q4
+    engine_settings: {gpu_split: [20, 24], cache_mode: Q4, draft_path: drafts/small}
 """
 
 
@@ -44,6 +43,16 @@ def test_valid_registry_resolves_relative_paths(tmp_path: Path) -> None:
     beta = registry.model("beta")
     assert beta is not None and beta.engine == "exllamav2" and beta.gpus == [0, 1]
     assert registry.server.port == 9000
+    # The engine's own settings model filled in its defaults and resolved its paths.
+    assert beta.engine_settings["cache_mode"] == "Q4" and beta.engine_settings["max_batch_size"] == 8
+    assert beta.engine_settings["draft_path"] == str((tmp_path / "drafts/small").resolve())
+    assert beta.weight_dirs == (Path("/abs/beta"), (tmp_path / "drafts/small").resolve())
+    assert alpha.engine_settings == {
+        "max_batch_size": 8,
+        "max_chunk_size": 2048,
+        "dtype": "auto",
+        "threads": None,
+    }
 
 
 def test_shipped_registry_is_valid() -> None:
@@ -77,7 +86,22 @@ def test_example_registries_are_valid(path: Path) -> None:
             ["field 'defaults.temperature'"],
         ),
         ("  - {engine: transformers, path: x}", ["model #1", "field 'name'"]),
-        ("  - {name: m1, path: x, gpus: [0], gpu_split: [1, 2]}", ["model 'm1'", "gpu_split"]),
+        (
+            "  - {name: m1, path: x, gpus: [0], engine_settings: {gpu_split: [1, 2]}}",
+            ["model 'm1'", "field 'engine_settings.gpu_split'", "one entry per GPU"],
+        ),
+        (
+            "  - {name: m1, engine: transformers, path: x, engine_settings: {cache_mode: Q4}}",
+            ["model 'm1'", "field 'engine_settings.cache_mode'", "Extra"],
+        ),
+        (
+            "  - {name: m1, path: x, gpus: [0], engine_settings: {ngram_draft: true, draft_path: d}}",
+            ["model 'm1'", "field 'engine_settings'", "choose one"],
+        ),
+        (
+            "  - {name: m1, path: x, gpus: [0], engine_settings: {cache_mode: Q3}}",
+            ["model 'm1'", "field 'engine_settings.cache_mode'"],
+        ),
         (
             "  - {name: m1, engine: transformers, path: x}\n"
             "  - {name: m2, engine: transformers, path: y, aliases: [m1]}",
@@ -112,7 +136,10 @@ def test_registry_is_frozen(tmp_path: Path) -> None:
 
 
 def test_check_config_cli_reports_cleanly(tmp_path: Path) -> None:
-    bad = write(tmp_path, "models:\n  - {name: broken, engine: transformers, path: x, max_batch_size: 0}\n")
+    bad = write(
+        tmp_path,
+        "models:\n  - {name: broken, engine: transformers, path: x, engine_settings: {max_batch_size: 0}}\n",
+    )
     result = subprocess.run(
         [sys.executable, "-m", "gateway", "check-config", str(bad)],
         capture_output=True,
@@ -120,7 +147,7 @@ def test_check_config_cli_reports_cleanly(tmp_path: Path) -> None:
         cwd=REPO_ROOT,
     )
     assert result.returncode == 2
-    assert "model 'broken'" in result.stderr and "field 'max_batch_size'" in result.stderr
+    assert "model 'broken'" in result.stderr and "field 'engine_settings.max_batch_size'" in result.stderr
     assert str(bad) in result.stderr
     assert "Traceback" not in result.stderr + result.stdout
 

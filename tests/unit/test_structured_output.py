@@ -17,10 +17,12 @@ from typing import Any
 import jsonschema
 import pytest
 
-from model_worker.engines.base import EngineSettings, RequestRejected
+from model_worker.engines.base import RequestRejected
+from model_worker.engines.registry import create_engine
 from model_worker.engines.structured_output import JsonConstraint, build_parser
-from model_worker.engines.transformers_engine import TransformersEngine
-from model_worker.protocol import JobOutput, SamplingParams
+from model_worker.engines.transformers.engine import TransformersEngine
+from wire.params import SamplingParams
+from wire.results import JobOutput
 
 PROMPT = "Describe the weather as JSON:"
 SCHEMA: dict[str, Any] = {
@@ -41,7 +43,7 @@ DECODING = [(0.0, None), (1.0, 1), (1.0, 2), (1.0, 3)]
 
 @pytest.fixture(scope="module")
 def engine(demo_model_dir: Path) -> Iterator[TransformersEngine]:
-    engine = TransformersEngine(EngineSettings(path=str(demo_model_dir), max_seq_len=2048, threads=2))
+    engine: TransformersEngine = create_engine("transformers", str(demo_model_dir), 2048, {"threads": 2})
     engine.load(lambda detail, progress: None)
     yield engine
     engine.close()
@@ -96,7 +98,7 @@ def test_finished_json_stops_even_with_ignore_eos(engine: TransformersEngine) ->
     outputs = _run(engine, {"ignore-eos": params})["ignore-eos"]
     assert outputs[-1].finish_reason == "stop"
     assert json.loads(_text(outputs))["color"] in ("red", "blue")
-    assert outputs[-1].usage is not None and outputs[-1].usage["completion_tokens"] < 512
+    assert outputs[-1].usage is not None and outputs[-1].usage.completion_tokens < 512
 
 
 def test_cut_short_json_ends_with_length(engine: TransformersEngine) -> None:

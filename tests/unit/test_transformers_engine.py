@@ -1,4 +1,5 @@
-"""Unit tests for the transformers engine, run against a real random-weight demo model on CPU."""
+"""Unit tests for the transformers engine, run against a real random-weight demo model on CPU, and for
+the job checks every engine shares (model_worker.engines.validation)."""
 
 from __future__ import annotations
 
@@ -10,17 +11,20 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from model_worker.engines.base import EngineSettings, RequestRejected
-from model_worker.engines.transformers_engine import TransformersEngine
-from model_worker.protocol import JobOutput, SamplingParams
+from model_worker.engines.base import RequestRejected
+from model_worker.engines.registry import create_engine
+from model_worker.engines.transformers.engine import TransformersEngine
+from model_worker.engines.validation import check_job
+from wire.params import SamplingParams
+from wire.results import FinishReason, JobOutput, RejectCode
 
 PROMPT = "The river carries stones downhill and"
 MAX_SEQ_LEN = 256
 
 
 def _load(model_dir: Path, **settings: int) -> TransformersEngine:
-    engine = TransformersEngine(
-        EngineSettings(path=str(model_dir), max_seq_len=MAX_SEQ_LEN, threads=2, **settings)
+    engine: TransformersEngine = create_engine(
+        "transformers", str(model_dir), MAX_SEQ_LEN, {"threads": 2, **settings}
     )
     engine.load(lambda detail, progress: None)
     return engine
@@ -28,7 +32,7 @@ def _load(model_dir: Path, **settings: int) -> TransformersEngine:
 
 @pytest.fixture(scope="module")
 def engine(demo_model_dir: Path) -> Iterator[TransformersEngine]:
-    engine = _load(demo_model_dir, max_batch_size=8, max_chunk_size=8)
+    engine = _load(demo_model_dir, max_batch_size=8, max_chunk_size=16)
     yield engine
     engine.close()
 
@@ -119,10 +123,10 @@ def test_seed_reproducible_and_different_seeds_differ(engine: TransformersEngine
 
 def test_max_tokens_gives_length_with_exact_count(engine: TransformersEngine) -> None:
     result = _run(engine, SamplingParams(max_tokens=7, temperature=0.0, ignore_eos=True))
-    assert result.last.finish_reason == "length"
+    assert result.last.finish_reason is FinishReason.LENGTH
     assert all(o.finish_reason is None and o.usage is None for o in result.outputs[:-1])
     assert len(result.token_ids) == 7
-    assert result.last.usage is not None and result.last.usage["completion_tokens"] == 7
+    assert result.last.usage is not None and result.last.usage.completion_tokens == 7
 
 
 def test_max_tokens_clamped_to_context(engine: TransformersEngine) -> None:
@@ -130,7 +134,7 @@ def test_max_tokens_clamped_to_context(engine: TransformersEngine) -> None:
     prompt_ids = prompt_ids[: MAX_SEQ_LEN - 3]
     engine.submit("near-full", prompt_ids, SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True))
     result = _drain(engine)["near-full"]
-    assert result.last.finish_reason == "length"
+    assert result.last.finish_reason is FinishReason.LENGTH
     assert len(result.token_ids) == 3
 
 
@@ -140,26 +144,26 @@ def test_stop_string_cuts_text(engine: TransformersEngine) -> None:
     assert len(stop) == 3
     cut = free.text.find(stop)
     stopped = _run(engine, SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, stop=[stop]))
-    assert stopped.last.finish_reason == "stop"
+    assert stopped.last.finish_reason is FinishReason.STOP
     assert stopped.text == free.text[:cut]
     assert stop not in stopped.text
     assert stopped.token_ids == free.token_ids[: len(stopped.token_ids)]
     assert stopped.last.usage is not None
-    assert stopped.last.usage["completion_tokens"] == len(stopped.token_ids) < 30
+    assert stopped.last.usage.completion_tokens == len(stopped.token_ids) < 30
 
 
 def _assert_idle(engine: TransformersEngine) -> None:
     stats = engine.stats()
-    assert stats["active_jobs"] == 0 and stats["queued_jobs"] == 0
+    assert stats.active_jobs == 0 and stats.queued_jobs == 0
     assert not engine.has_work()
 
 
 def test_cancel_in_prefill_and_decode(engine: TransformersEngine) -> None:
     long_prompt = engine.encode("Travel changes the shape of time. " * 8, add_special_tokens=True)
-    assert len(long_prompt) > 3 * 8  # several prefill chunks of 8
+    assert len(long_prompt) > 3 * 16  # several prefill chunks of 16
     engine.submit("prefilling", long_prompt, SamplingParams(max_tokens=10))
     assert engine.step() == []  # first chunk only: nothing to emit yet
-    assert engine.stats()["active_jobs"] == 1
+    assert engine.stats().active_jobs == 1
     assert engine.cancel("prefilling") is True
     _assert_idle(engine)
 
@@ -180,55 +184,58 @@ def test_queue_beyond_batch_size_and_cancel_queued(demo_model_dir: Path) -> None
         ids = small.encode(PROMPT, add_special_tokens=True)
         for rid in ("a", "b", "c", "d"):
             small.submit(rid, ids, SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
-        assert small.stats()["active_jobs"] == 2 and small.stats()["queued_jobs"] == 2
+        assert small.stats().active_jobs == 2 and small.stats().queued_jobs == 2
         assert small.cancel("c") is True
-        assert small.stats()["queued_jobs"] == 1
+        assert small.stats().queued_jobs == 1
         results = _drain(small)
         assert sorted(results) == ["a", "b", "d"]
         assert results["a"].token_ids == results["b"].token_ids == results["d"].token_ids
         # FIFO: d waited in the queue for a batch slot, so it finished last.
-        assert results["d"].last.usage is not None and results["d"].last.usage["queue_s"] > 0
+        assert results["d"].last.usage is not None and results["d"].last.usage.queue_s > 0
         stats = small.stats()
-        assert stats["generated_tokens"] == 9 and stats["steps"] == 6
+        assert stats.generated_tokens == 9 and stats.steps == 6
         _assert_idle(small)
     finally:
         small.close()
 
 
-def test_rejections(engine: TransformersEngine) -> None:
+def test_shared_job_checks() -> None:
+    vocab = 1000
     with pytest.raises(RequestRejected) as too_long:
-        engine.submit("long", [5] * MAX_SEQ_LEN, SamplingParams())
-    assert too_long.value.code == "context_length_exceeded"
+        check_job([5] * MAX_SEQ_LEN, SamplingParams(), MAX_SEQ_LEN, vocab)
+    assert too_long.value.code is RejectCode.CONTEXT_LENGTH_EXCEEDED
     assert too_long.value.param == "messages"
     assert f"maximum context length is {MAX_SEQ_LEN} tokens" in too_long.value.message
     assert f"{MAX_SEQ_LEN} prompt tokens" in too_long.value.message
 
     for bad in ([], [1, 2, 10**6], [-1]):
         with pytest.raises(RequestRejected) as invalid:
-            engine.submit("bad", bad, SamplingParams())
-        assert invalid.value.code == "invalid_prompt"
-
-    engine.submit("dup", [1, 2, 3], SamplingParams(max_tokens=1))
-    with pytest.raises(RequestRejected):
-        engine.submit("dup", [1, 2, 3], SamplingParams(max_tokens=1))
-    assert engine.cancel("dup") is True
-    _assert_idle(engine)
+            check_job(bad, SamplingParams(), MAX_SEQ_LEN, vocab)
+        assert invalid.value.code is RejectCode.INVALID_PROMPT
+    for params, name in ((SamplingParams(logit_bias={vocab: 1.0}), "logit_bias"),
+                         (SamplingParams(stop_token_ids=[vocab]), "stop_token_ids"),
+                         (SamplingParams(max_tokens=0), "max_tokens")):  # fmt: skip
+        with pytest.raises(RequestRejected) as rejected:
+            check_job([1, 2], params, MAX_SEQ_LEN, vocab)
+        assert rejected.value.code is RejectCode.INVALID_VALUE and rejected.value.param == name
+    check_job([1, vocab - 1], SamplingParams(logit_bias={0: 1.0}), MAX_SEQ_LEN, vocab)
 
 
 def test_logprobs_shape(engine: TransformersEngine) -> None:
     result = _run(engine, SamplingParams(max_tokens=5, temperature=0.0, logprobs=3))
     for output in result.outputs:
         assert output.logprobs is not None and len(output.logprobs) == len(output.token_ids) == 1
-        chosen, alternatives = output.logprobs[0]
-        assert isinstance(chosen, float) and chosen <= 0.0
-        assert len(alternatives) == 3
-        assert all(isinstance(t, int) and isinstance(lp, float) for t, lp in alternatives)
-        assert [lp for _, lp in alternatives] == sorted((lp for _, lp in alternatives), reverse=True)
+        entry = output.logprobs[0]
+        assert entry.token_id == output.token_ids[0] and entry.token == engine.decode([entry.token_id])
+        assert entry.logprob <= 0.0
+        assert len(entry.top) == 3
+        assert [t.logprob for t in entry.top] == sorted((t.logprob for t in entry.top), reverse=True)
+        assert all(t.token == engine.decode([t.token_id]) for t in entry.top)
         # Greedy without processors picks the top alternative.
-        assert alternatives[0] == [output.token_ids[0], chosen]
+        assert (entry.top[0].token_id, entry.top[0].logprob) == (entry.token_id, entry.logprob)
 
     only_chosen = _run(engine, SamplingParams(max_tokens=2, temperature=0.0, logprobs=0))
-    assert all(o.logprobs is not None and o.logprobs[0][1] == [] for o in only_chosen.outputs)
+    assert all(o.logprobs is not None and o.logprobs[0].top == [] for o in only_chosen.outputs)
     assert all(o.logprobs is None for o in _run(engine, SamplingParams(max_tokens=2)).outputs)
 
 
@@ -238,25 +245,25 @@ def test_min_tokens_ignore_eos_and_eos_text(engine: TransformersEngine) -> None:
 
     at_once = _run(engine, SamplingParams(max_tokens=10, temperature=0.0, logit_bias=push_eos))
     assert at_once.token_ids == [eos] and at_once.text == ""
-    assert at_once.last.finish_reason == "stop"
+    assert at_once.last.finish_reason is FinishReason.STOP
 
     ignored = _run(
         engine, SamplingParams(max_tokens=6, temperature=0.0, logit_bias=push_eos, ignore_eos=True)
     )
     assert ignored.token_ids == [eos] * 6 and ignored.text == ""
-    assert ignored.last.finish_reason == "length"
+    assert ignored.last.finish_reason is FinishReason.LENGTH
 
     held = _run(
         engine, SamplingParams(max_tokens=20, temperature=0.8, seed=1, logit_bias=push_eos, min_tokens=5)
     )
     assert eos not in held.token_ids[:5]
     assert held.token_ids[5] == eos and len(held.token_ids) == 6
-    assert held.last.finish_reason == "stop"
-    assert held.last.usage is not None and held.last.usage["completion_tokens"] == 6
+    assert held.last.finish_reason is FinishReason.STOP
+    assert held.last.usage is not None and held.last.usage.completion_tokens == 6
 
     stop_token = _run(engine, SamplingParams(max_tokens=8, temperature=0.0, stop_token_ids=[eos + 1],
                                              logit_bias={eos + 1: 100.0}, ignore_eos=True))  # fmt: skip
-    assert stop_token.token_ids == [eos + 1] and stop_token.last.finish_reason == "stop"
+    assert stop_token.token_ids == [eos + 1] and stop_token.last.finish_reason is FinishReason.STOP
 
 
 def test_usage_matches_tokenizer(engine: TransformersEngine, demo_model_dir: Path) -> None:
@@ -264,27 +271,29 @@ def test_usage_matches_tokenizer(engine: TransformersEngine, demo_model_dir: Pat
     prompt = "Soup is forgiving and generous. Start with something fragrant in a little fat"
     expected = len(tokenizer.encode(prompt))
     prompt_ids = engine.encode(prompt, add_special_tokens=True)
-    assert engine.submit("usage", prompt_ids, SamplingParams(max_tokens=4, ignore_eos=True)) == expected
+    assert len(prompt_ids) == expected
+    engine.submit("usage", prompt_ids, SamplingParams(max_tokens=4, ignore_eos=True))
     result = _drain(engine)["usage"]
     usage = result.last.usage
     assert usage is not None
-    assert usage["prompt_tokens"] == expected
-    assert usage["completion_tokens"] == len(result.token_ids) == 4
-    assert usage["cached_tokens"] == 0
-    assert all(isinstance(usage[k], float) and usage[k] >= 0 for k in ("queue_s", "prefill_s", "decode_s"))
+    assert usage.prompt_tokens == expected
+    assert usage.completion_tokens == len(result.token_ids) == 4
+    assert usage.cached_tokens == 0
+    assert min(usage.queue_s, usage.prefill_s, usage.decode_s) >= 0
 
 
 def test_info_and_medium_model(demo_model_dir_medium: Path) -> None:
     medium = _load(demo_model_dir_medium, max_batch_size=4)
     try:
         info = medium.info()
-        assert info["engine"] == "transformers" and info["paged"] is False
-        assert info["dtype"] == "float32"  # the preset's dtype; no float16 fallback needed
+        assert info.engine == "transformers" and info.paged is False
+        assert info.dtype == "float32"  # the preset's dtype; no float16 fallback needed
         if torch.cuda.is_available():
-            assert info["devices"][0]["name"] == torch.cuda.get_device_name(0)
+            assert info.devices[0].name == torch.cuda.get_device_name(0)
         else:
-            assert info["devices"] == [{"name": "cpu"}]
-        assert info["max_seq_len"] == MAX_SEQ_LEN and info["max_batch_size"] == 4
+            assert [d.name for d in info.devices] == ["cpu"]
+        assert info.max_seq_len == MAX_SEQ_LEN and info.max_batch_size == 4
+        assert info.vocab_size > 0 and info.engine_version
         result = _run(medium, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
         assert len(result.token_ids) == 8
     finally:

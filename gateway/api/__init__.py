@@ -1,1 +1,0 @@
-"""HTTP routes of the gateway process: OpenAI API, admin API, health endpoints."""

@@ -1,0 +1,1 @@
+"""Gateway configuration: the model registry, API keys, and GPU placement checks (gateway process)."""

@@ -1,0 +1,121 @@
+"""Placement checks before any worker starts: do the configured GPUs exist, and can the models fit?
+
+Runs in the gateway process (`gateway serve`, before binding). Owns GPU discovery for the gateway,
+which never imports torch: NVML through nvidia-ml-py when installed, else `nvidia-smi`, else none.
+Problems that make a model impossible to start (a GPU index that does not exist, weights larger
+than the memory of the GPUs given) refuse the start; models sharing a GPU only warn.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+from gateway.config.registry import ModelConfig, Registry
+
+logger = logging.getLogger(__name__)
+GIB = 1024**3
+
+
+@dataclass(frozen=True)
+class Gpu:
+    index: int
+    name: str
+    memory_total_bytes: int
+
+
+def discover_gpus() -> list[Gpu]:
+    try:
+        import pynvml  # nvidia-ml-py
+
+        pynvml.nvmlInit()
+        try:
+            gpus = []
+            for index in range(pynvml.nvmlDeviceGetCount()):
+                handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+                name = pynvml.nvmlDeviceGetName(handle)
+                memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
+                gpus.append(Gpu(index, name.decode() if isinstance(name, bytes) else name, int(memory.total)))
+            return gpus
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # no NVML library, no driver, or no package: try the CLI, then assume none
+        logger.debug("NVML unavailable", exc_info=True)
+    if shutil.which("nvidia-smi") is None:
+        return []
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=index,name,memory.total", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    gpus = []
+    for line in out.strip().splitlines():
+        index_text, name, mib = (part.strip() for part in line.split(","))
+        gpus.append(Gpu(int(index_text), name, int(float(mib)) * 1024**2))
+    return gpus
+
+
+def weights_bytes(model: ModelConfig) -> int:
+    """On-disk size of the weights; quantized and FP16 weights load at about their file size."""
+    total = 0
+    for folder in model.weight_dirs:
+        if Path(folder).is_dir():
+            total += sum(f.stat().st_size for f in Path(folder).glob("*.safetensors"))
+    return total
+
+
+def _check_replica(
+    model: ModelConfig,
+    replica_gpus: list[int],
+    gpus: list[Gpu],
+    by_index: dict[int, Gpu],
+    users: dict[int, list[str]],
+) -> list[str]:
+    missing = [g for g in replica_gpus if g not in by_index]
+    if missing:
+        listed = f" ({', '.join(str(g.index) for g in gpus)})" if gpus else ""
+        return [
+            f"model {model.name!r}: gpus {replica_gpus} but this host has {len(gpus)} GPU(s){listed}; "
+            f"GPU {missing[0]} does not exist"
+        ]
+    for index in replica_gpus:
+        users.setdefault(index, []).append(model.name)
+    if not replica_gpus:
+        return []
+    available = sum(by_index[g].memory_total_bytes for g in replica_gpus) - model.reserve_vram_gb * GIB * len(
+        replica_gpus
+    )
+    needed = weights_bytes(model)
+    if needed > available:
+        return [
+            f"model {model.name!r}: its weights alone take {needed / GIB:.1f} GiB, more than the "
+            f"{available / GIB:.1f} GiB of gpus {replica_gpus}; add GPUs or use a smaller quantization"
+        ]
+    return []
+
+
+def check_placement(registry: Registry, gpus: list[Gpu]) -> tuple[list[str], list[str]]:
+    """(errors, warnings) for the registry on these GPUs."""
+    errors: list[str] = []
+    warnings: list[str] = []
+    by_index = {gpu.index: gpu for gpu in gpus}
+    users: dict[int, list[str]] = {}
+    for model in registry.models:
+        if model.remote:
+            continue  # its GPUs are on the hosts its workers run on
+        for replica in range(model.replicas):
+            errors += _check_replica(model, model.gpus_of_replica(replica), gpus, by_index, users)
+    for index, names in sorted(users.items()):
+        if len(names) > 1:
+            warnings.append(
+                f"GPU {index} is shared by models {', '.join(names)}; they compete for its memory"
+            )
+    return errors, warnings

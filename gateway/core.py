@@ -1,0 +1,115 @@
+"""The gateway's parts, built once per app and wired together: registry, link, supervisor, router,
+request service.
+
+Runs in the gateway process. Owns the wiring between those parts and applying a new registry
+(reload). Routes reach it through `current_gateway()` (stored on the Quart app, never in a module
+global).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gateway.config.registry import Registry
+from gateway.observability.logging_setup import LoadProgressLog
+from gateway.serving.router import Router
+from gateway.serving.service import GenerationService
+from gateway.serving.worker_link import WorkerLink
+from gateway.workers.handle import WorkerHandle
+from gateway.workers.supervisor import Supervisor
+from wire.states import WorkerState
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class Gateway:
+    registry: Registry
+    runtime_dir: Path
+    link: WorkerLink
+    supervisor: Supervisor
+    router: Router
+    service: GenerationService
+    started_at: float = field(default_factory=time.time)
+
+    @classmethod
+    def build(cls, registry: Registry, runtime_dir: Path) -> Gateway:
+        supervisor_ref: list[Supervisor] = []
+        router_ref: list[Router] = []
+        link = WorkerLink(
+            f"ipc://{runtime_dir / 'workers.sock'}",
+            LoadProgressLog().wrap(
+                lambda worker_id, message, remote: supervisor_ref[0].on_message(worker_id, message, remote)
+            ),
+            registry.server.remote_workers,
+        )
+
+        def on_worker_state(worker: WorkerHandle) -> None:
+            if router_ref:  # state changes before the router exists need no routing update
+                router_ref[0].on_worker_state(worker)
+
+        supervisor = Supervisor(registry, link, on_worker_state)
+        supervisor_ref.append(supervisor)
+        router = Router(registry, list(supervisor.workers.values()), supervisor.launch)
+        router_ref.append(router)
+        service = GenerationService(
+            link, registry.server.sse_keepalive_s, registry.server.write_stall_timeout_s
+        )
+        return cls(registry, runtime_dir, link, supervisor, router, service)
+
+    async def apply_registry(self, new: Registry) -> dict[str, list[str]]:
+        """Move the running set to `new`: start added models, drain and stop removed ones,
+        restart changed ones, leave unchanged ones untouched (their requests never notice)."""
+        old = {m.name: m for m in self.registry.models}
+        wanted = {m.name: m for m in new.models}
+        if new.server != self.registry.server:
+            logger.warning("the server section changed; those settings apply after a restart")
+        changes: dict[str, list[str]] = {
+            "added": sorted(wanted.keys() - old.keys()),
+            "removed": sorted(old.keys() - wanted.keys()),
+            "changed": sorted(n for n in old.keys() & wanted.keys() if old[n] != wanted[n]),
+        }
+        changes["unchanged"] = sorted(old.keys() & wanted.keys() - set(changes["changed"]))
+        grace = self.registry.server.shutdown_grace_s
+        retiring = []
+        for name in changes["removed"] + changes["changed"]:
+            retiring += [h for h in self.supervisor.workers.values() if h.model.name == name]
+        self.registry = self.registry.model_copy(update={"models": new.models})
+        self.supervisor.registry = self.registry
+        for name in changes["removed"]:
+            self.router.drop_route(name)
+        fresh = []
+        for name in changes["added"] + changes["changed"]:
+            handles = self.supervisor.add(wanted[name])
+            self.router.set_route(wanted[name], handles)
+            fresh.extend(handles)
+        # Old workers leave first, so a changed model never holds its GPU twice; requests for it
+        # wait in its queue meanwhile, as they do at startup.
+        await asyncio.gather(*(self.supervisor.retire(h, grace, WorkerState.STOPPED) for h in retiring))
+        for handle in retiring:
+            self.supervisor.remove(handle)
+        for handle in fresh:
+            if handle.model.load == "startup":
+                self.supervisor.launch(handle)
+        logger.info("registry applied: %s", {k: v for k, v in changes.items() if k != "unchanged"})
+        return changes
+
+    def model_card(self, name: str) -> dict[str, Any]:
+        route = self.router.routes[name]
+        config = route.config
+        return {
+            "id": name,
+            "object": "model",
+            "created": int(self.started_at),
+            "owned_by": "llm-gateway",
+            "aliases": list(config.aliases),
+            "engine": config.engine,
+            "max_model_len": config.max_seq_len,
+            "context_length": config.max_seq_len,
+            "state": route.state.value,
+        }

@@ -1,0 +1,1 @@
+"""Offline demo models: tiny random-weight Llama folders with a freshly trained tokenizer (CLI tooling)."""

@@ -1,0 +1,129 @@
+"""The Quart app factory: routes, error rendering, and the lifecycle of the gateway's parts.
+
+Runs in the gateway process. `before_serving` binds the worker socket and spawns workers;
+`after_serving` drains and stops them. Every error leaves in OpenAI's shape, without a traceback.
+quart-schema validates request bodies with the pydantic models the routes declare, and generates
+the OpenAPI description (/openapi.json) and interactive docs (/docs) from the routes themselves.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+from quart import Quart, jsonify
+from quart_schema import QuartSchema, RequestSchemaValidationError
+from quart_schema.openapi import Info
+from werkzeug.exceptions import HTTPException
+
+from gateway.config.registry import Registry
+from gateway.core import Gateway
+from gateway.errors import APIError, InvalidRequest, error_body
+from gateway.http import admin_routes, dashboard, health_routes, metrics_route, openai_routes, tokenize_routes
+from gateway.http.auth import Authenticator
+from gateway.http.request_log import begin_request, finish_request
+from gateway.observability.metrics import GatewayMetrics, count_response
+
+logger = logging.getLogger(__name__)
+
+_HTTP_ERROR_TYPES = {404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error"}
+_HTTP_ERROR_CODES = {413: "payload_too_large", 415: "unsupported_media_type"}
+
+
+def make_runtime_dir(registry: Registry) -> Path:
+    """A private (0700) folder for the ipc socket, so no other local user can talk to workers."""
+    if registry.server.runtime_dir is not None:
+        path = Path(registry.server.runtime_dir)
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        path.chmod(0o700)
+        return path
+    return Path(tempfile.mkdtemp(prefix="llm-gw-"))
+
+
+def _invalid_body(error: RequestSchemaValidationError) -> InvalidRequest:
+    """A body that fails its schema: a 400 naming the first offending field, as OpenAI does."""
+    cause = error.validation_error
+    if isinstance(cause, ValidationError) and cause.errors():
+        first = cause.errors()[0]
+        param = ".".join(str(p) for p in first["loc"]) or None
+        message = first["msg"].removeprefix("Value error, ")
+        if first["type"] == "model_type" and not first["loc"]:
+            message = "the request body must be a JSON object"
+        return InvalidRequest(f"{param}: {message}" if param else message, param=param)
+    return InvalidRequest("the request body must be a JSON object")
+
+
+def create_app(registry: Registry) -> Quart:
+    app = Quart(__name__, static_folder=None)  # no implicit /static route: pages are served by routes
+    app.config["MAX_CONTENT_LENGTH"] = registry.server.max_body_bytes
+    app.config["RESPONSE_TIMEOUT"] = None  # streams may legitimately run for many minutes
+    app.config["BODY_TIMEOUT"] = 60
+    app.config["JSON_SORT_KEYS"] = False
+    QuartSchema(
+        app,
+        info=Info(title="LLM gateway (OpenAI-compatible)", version="1"),
+        openapi_path="/openapi.json",
+        swagger_ui_path="/docs",
+        redoc_ui_path=None,
+        scalar_ui_path=None,
+    )
+    # Keys first: a broken keys file stops startup before a runtime folder or socket exists.
+    authenticator = Authenticator(registry)
+    runtime_dir = make_runtime_dir(registry)
+    gateway = Gateway.build(registry, runtime_dir)
+    app.extensions["gateway"] = gateway
+    app.extensions["auth"] = authenticator
+    app.extensions["metrics"] = GatewayMetrics(gateway)
+    # The request id first, so a refused request is logged and answered with one too.
+    app.before_request(begin_request)
+    app.before_request(authenticator.before_request)
+    app.after_request(count_response)
+    app.after_request(finish_request)
+    for module in (openai_routes, health_routes, tokenize_routes, admin_routes, metrics_route, dashboard):
+        app.register_blueprint(module.blueprint)
+
+    @app.before_serving
+    async def start_gateway() -> None:
+        await gateway.link.start()
+        gateway.service.start()
+        gateway.supervisor.start()
+        logger.info("gateway serving %d model(s); workers on %s", len(registry.models), gateway.link.endpoint)
+
+    @app.after_serving
+    async def stop_gateway() -> None:
+        gateway.service.draining = True
+        await gateway.supervisor.stop(registry.server.shutdown_grace_s)
+        await gateway.service.stop()
+        await gateway.link.close()
+        if registry.server.runtime_dir is None:
+            shutil.rmtree(runtime_dir, ignore_errors=True)
+        logger.info("gateway stopped")
+
+    @app.errorhandler(APIError)
+    async def api_error(error: APIError) -> Any:
+        return jsonify(error.body()), error.status, error.headers
+
+    @app.errorhandler(RequestSchemaValidationError)
+    async def schema_error(error: RequestSchemaValidationError) -> Any:
+        return await api_error(_invalid_body(error))
+
+    @app.errorhandler(HTTPException)
+    async def http_error(error: HTTPException) -> Any:
+        status = error.code or 500
+        body = error_body(
+            error.description or error.name,
+            _HTTP_ERROR_TYPES.get(status, "invalid_request_error"),
+            code=_HTTP_ERROR_CODES.get(status),
+        )
+        return jsonify(body), status
+
+    @app.errorhandler(Exception)
+    async def unexpected_error(error: Exception) -> Any:
+        logger.exception("unhandled error")
+        return jsonify(error_body("internal server error", "server_error", None, "internal_error")), 500
+
+    return app

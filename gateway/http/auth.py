@@ -1,0 +1,240 @@
+"""API key checks on every request: who is calling, and may that key do what it asks.
+
+Runs in the gateway process, on its asyncio loop (a Quart `before_request` hook). Owns the live
+key set (from gateway.config.api_keys: the keys file plus the environment), its reload when the file
+changes, and the per-key token buckets. Only SHA-256 digests of keys are kept, compared in
+constant time; keys are never logged, only their names.
+
+Rules once any key source is configured (deny by default):
+- every route but /health/live and /dashboard (a page with no data; its script sends the key) needs
+  a key: none or an unknown one -> 401 `invalid_api_key`;
+- /admin/* needs an admin key -> 403 `permission_denied` for an inference key;
+- a model the key may not use answers 404 `model_not_found`, the same answer as a model that does
+  not exist, so a key cannot probe which models are served; /v1/models lists only its models;
+- /v1/* counts against the key's `rate_limit_rpm` (token bucket) -> 429 with Retry-After.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import math
+import os
+import time
+from collections.abc import Callable, Mapping
+
+from quart import g, request
+from werkzeug.datastructures import Headers
+
+from gateway.config.api_keys import (
+    ApiKey,
+    check_unique,
+    digest_of,
+    env_keys,
+    keys_file_path,
+    parse_keys_file,
+    warn_if_readable,
+)
+from gateway.config.registry import ConfigError, Registry
+from gateway.errors import AuthenticationFailed, ModelNotFound, PermissionDenied, QueueFull
+
+logger = logging.getLogger(__name__)
+
+OPEN_PATHS = frozenset({"/health/live", "/dashboard"})
+RELOAD_CHECK_S = 1.0
+
+
+# ---- rate limiting ------------------------------------------------------------------------------
+
+
+class TokenBucket:
+    """`rpm` requests per minute, with bursts of up to `rpm` once the bucket has filled."""
+
+    def __init__(self, rpm: int, now: float) -> None:
+        self.rpm = rpm
+        self.tokens = float(rpm)
+        self.updated = now
+
+    def take(self, now: float) -> float:
+        """0.0 if a request may go now; otherwise the seconds until one may."""
+        rate = self.rpm / 60.0
+        self.tokens = min(float(self.rpm), self.tokens + (now - self.updated) * rate)
+        self.updated = now
+        if self.tokens >= 1.0:
+            self.tokens -= 1.0
+            return 0.0
+        return (1.0 - self.tokens) / rate
+
+
+# ---- the per-app authenticator ------------------------------------------------------------------
+
+
+class Authenticator:
+    def __init__(
+        self,
+        registry: Registry,
+        environ: Mapping[str, str] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.registry = registry
+        self.path = keys_file_path(registry)
+        self._env_keys = env_keys(os.environ if environ is None else environ)
+        self._clock = clock
+        self._file_keys: list[ApiKey] = []
+        self._file_signature: tuple[int, int, int] | None = None
+        self._checked_at = clock()
+        self._buckets: dict[str, TokenBucket] = {}
+        if self.path is not None:
+            self._file_signature = self._signature()
+            self._file_keys = parse_keys_file(self.path, registry)
+            warn_if_readable(self.path)
+        self.keys: tuple[ApiKey, ...] = ()
+        self._install(self._file_keys)
+        if self.enabled:
+            logger.info("API keys required: %d key(s) configured", len(self.keys))
+
+    @property
+    def enabled(self) -> bool:
+        # A configured but empty keys file still locks the gateway: emptying it must not open it.
+        return self.path is not None or bool(self._env_keys)
+
+    def _install(self, file_keys: list[ApiKey]) -> None:
+        keys = [*self._env_keys, *file_keys]
+        check_unique(keys)
+        self.keys = tuple(keys)
+
+    def _signature(self) -> tuple[int, int, int] | None:
+        assert self.path is not None
+        try:
+            st = self.path.stat()
+        except OSError:
+            return None
+        return (st.st_mtime_ns, st.st_size, st.st_ino)
+
+    def maybe_reload(self) -> None:
+        """Re-read the keys file if it changed; at most one stat per RELOAD_CHECK_S."""
+        now = self._clock()
+        if self.path is None or now - self._checked_at < RELOAD_CHECK_S:
+            return
+        self._checked_at = now
+        signature = self._signature()
+        if signature == self._file_signature:
+            return
+        self._file_signature = signature
+        try:
+            file_keys = parse_keys_file(self.path, self.registry)
+            self._install(file_keys)
+        except ConfigError as exc:
+            logger.error("keys file changed but cannot be used; keeping the previous keys: %s", exc)
+            return
+        self._file_keys = file_keys
+        logger.info("keys file %s reloaded: %d key(s)", self.path, len(file_keys))
+
+    def use_registry(self, registry: Registry) -> None:
+        """After a reload: scope checks must see the new models (an unknown name skips the check)."""
+        self.registry = registry
+        if self.path is None:
+            return
+        try:
+            file_keys = parse_keys_file(self.path, registry)
+            self._install(file_keys)
+        except ConfigError as exc:
+            logger.error("keys file does not fit the reloaded registry; keeping the previous keys: %s", exc)
+            return
+        self._file_keys = file_keys
+
+    def lookup(self, presented: str) -> ApiKey | None:
+        digest = digest_of(presented)
+        found = None
+        for key in self.keys:  # no early exit: the time taken must not depend on which key matched
+            if hmac.compare_digest(digest, key.digest):
+                found = key
+        return found
+
+    def retry_after(self, key: ApiKey) -> float:
+        if key.rate_limit_rpm is None:
+            return 0.0
+        now = self._clock()
+        bucket = self._buckets.get(key.name)
+        if bucket is None or bucket.rpm != key.rate_limit_rpm:
+            bucket = self._buckets[key.name] = TokenBucket(key.rate_limit_rpm, now)
+        return bucket.take(now)
+
+    async def before_request(self) -> None:
+        """The Quart hook: raise an APIError unless the request's key may do what it asks."""
+        path = request.path
+        # The matched rule too, so no spelling of a path (extra slashes, ...) slips past a prefix test.
+        rule = request.url_rule.rule if request.url_rule is not None else path
+        if path in OPEN_PATHS and rule in OPEN_PATHS:
+            return
+        self.maybe_reload()
+        if not self.enabled:
+            return
+        presented = presented_key(request.headers)
+        if presented is None:
+            logger.info("%s %s refused: no API key", request.method, path)
+            raise AuthenticationFailed(
+                "You didn't provide an API key. "
+                "Send it as 'Authorization: Bearer <key>' or as 'x-api-key: <key>'.",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+        key = self.lookup(presented)
+        if key is None:
+            logger.info("%s %s refused: unknown API key", request.method, path)
+            raise AuthenticationFailed("Incorrect API key provided.", headers={"WWW-Authenticate": "Bearer"})
+        g.api_key = key
+        if any(p == "/admin" or p.startswith("/admin/") for p in (path, rule)):
+            if not key.admin:
+                logger.info("%s %s refused: key %r is not an admin key", request.method, path, key.name)
+                raise PermissionDenied("this API key may not use the admin API")
+            return
+        if not any(p.startswith(MODEL_SCOPED_PREFIXES) for p in (path, rule)):
+            return
+        wait = self.retry_after(key)
+        if wait > 0:
+            logger.info("%s %s refused: key %r is over its rate limit", request.method, path, key.name)
+            raise QueueFull(
+                f"rate limit of {key.rate_limit_rpm} requests per minute reached for this API key",
+                code="rate_limit_exceeded",
+                headers={"Retry-After": str(math.ceil(wait))},
+            )
+        name = await requested_model()
+        model = self.registry.model(name) if name is not None else None
+        # Unknown names go on to the route, which answers the same 404 for them.
+        if model is not None and not key.allows(model.name):
+            logger.info(
+                "%s %s refused: key %r may not use model %s", request.method, path, key.name, model.name
+            )
+            raise ModelNotFound(name or "")
+
+
+# Routes that name a model, so the key's model scope and rate limit apply to them.
+MODEL_SCOPED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
+
+
+def presented_key(headers: Headers) -> str | None:
+    authorization = headers.get("Authorization", "")
+    scheme, _, value = authorization.partition(" ")
+    if scheme.lower() == "bearer" and value.strip():
+        return value.strip()
+    api_key = headers.get("x-api-key", "").strip()
+    return api_key or None
+
+
+async def requested_model() -> str | None:
+    """The model a /v1 request names: in the path (GET /v1/models/<id>) or the JSON body (POST)."""
+    view_args = request.view_args or {}
+    if "model_id" in view_args:
+        return str(view_args["model_id"])
+    if request.method != "POST":
+        return None
+    # force/silent exactly as the routes parse it, so both read the same cached body.
+    body = await request.get_json(force=True, silent=True)
+    model = body.get("model") if isinstance(body, dict) else None
+    return model if isinstance(model, str) else None
+
+
+def may_use(model: str) -> bool:
+    """For the current request: may its key use `model` (a canonical name)? True without auth."""
+    key: ApiKey | None = g.get("api_key")
+    return key is None or key.allows(model)

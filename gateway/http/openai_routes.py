@@ -1,0 +1,123 @@
+"""OpenAI-compatible routes: /v1/models, /v1/completions, /v1/chat/completions.
+
+Runs in the gateway process. Owns the HTTP side of a generation: turning a validated request
+(quart-schema validates bodies with the pydantic models of gateway.http.schemas) into choice
+inputs, handing them to a RequestOwner, and writing its outputs as one JSON body or an SSE stream.
+Errors before the stream opens are proper HTTP errors; after it opened they are an SSE `error`
+event followed by the end of the stream. The owner does all cancelling and slot bookkeeping.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from quart import Blueprint, Response, jsonify
+from quart_schema import document_response, validate_request
+
+from gateway.errors import APIError, InvalidRequest
+from gateway.http.auth import may_use
+from gateway.http.current import current_gateway
+from gateway.http.openai_format import SSE_DONE, SSE_KEEPALIVE, ResponseFormatter, sse_error
+from gateway.http.schemas import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from gateway.observability.logging_setup import set_log_context
+from gateway.observability.metrics import start_request
+from gateway.serving.outputs import ChoiceInput
+from gateway.serving.request_owner import KEEPALIVE, RequestOwner
+
+blueprint = Blueprint("openai", __name__)
+
+
+@blueprint.get("/v1/models")
+@document_response(ModelList)
+async def list_models() -> Any:
+    gateway = current_gateway()
+    names = [name for name in gateway.router.routes if may_use(name)]  # only what this API key may use
+    return jsonify({"object": "list", "data": [gateway.model_card(name) for name in names]})
+
+
+@blueprint.get("/v1/models/<path:model_id>")
+@document_response(ModelCard)
+async def get_model(model_id: str) -> Any:
+    gateway = current_gateway()
+    return jsonify(gateway.model_card(gateway.router.route(model_id).config.name))
+
+
+@blueprint.post("/v1/chat/completions")
+@validate_request(ChatCompletionRequest)
+async def chat_completions(data: ChatCompletionRequest) -> Any:
+    messages = [m.to_wire() for m in data.messages]
+    inputs = [ChoiceInput(messages=messages)] * data.n
+    return await _serve(data, inputs, chat=True, logprobs=data.logprobs_count())
+
+
+@blueprint.post("/v1/completions")
+@validate_request(CompletionRequest)
+async def completions(data: CompletionRequest) -> Any:
+    if data.suffix:
+        raise InvalidRequest("suffix is not supported", param="suffix")
+    prompts = data.prompts()
+    if data.echo and any(not isinstance(p, str) for p in prompts):
+        raise InvalidRequest("echo is supported for text prompts only", param="echo")
+    inputs = []
+    for prompt in prompts:
+        echo = prompt if data.echo and isinstance(prompt, str) else ""
+        choice = (
+            ChoiceInput(prompt=prompt, echo=echo)
+            if isinstance(prompt, str)
+            else ChoiceInput(prompt_token_ids=prompt)
+        )
+        inputs.extend([choice] * data.n)
+    return await _serve(data, inputs, chat=False, logprobs=data.logprobs)
+
+
+async def _serve(req: Any, inputs: list[ChoiceInput], chat: bool, logprobs: int | None) -> Any:
+    gateway = current_gateway()
+    route = gateway.router.route(req.model)
+    set_log_context(model=route.config.name)  # the canonical name, on every line of this request
+    params = req.sampling_params(route.config, logprobs)
+    deadline = gateway.router.deadline_for(route, req.timeout)
+    formatter = ResponseFormatter(("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, req.model, chat)
+    recorder = start_request(route.config.name)
+    owner = gateway.service.open(route, inputs, params, deadline, recorder, streaming=req.stream)
+    await owner.admit()  # refusals (400, 429, 503, 408) surface here, before any stream opens
+    if req.stream:
+        body = _stream(owner, formatter, req.include_usage_in_stream())
+        response = Response(body, content_type="text/event-stream; charset=utf-8")
+        response.headers["Cache-Control"] = "no-cache"
+        response.headers["X-Accel-Buffering"] = "no"
+        response.timeout = None  # long generations must not be cut by Quart's response timeout
+        return response
+    try:
+        async for _ in owner.events():
+            pass
+        return jsonify(formatter.final_body(owner.choices))
+    finally:
+        owner.close()
+
+
+async def _stream(
+    owner: RequestOwner, formatter: ResponseFormatter, with_usage: bool
+) -> AsyncIterator[bytes]:
+    try:
+        for chunk in formatter.first_chunks([c.index for c in owner.choices], with_usage):
+            yield chunk
+        async for event in owner.events():
+            if event is KEEPALIVE:
+                yield SSE_KEEPALIVE
+                continue
+            index, output = event  # type: ignore[misc]
+            chunk = formatter.delta_chunk(owner.choices[index], output, with_usage)
+            if chunk:
+                yield chunk
+        if with_usage:
+            yield formatter.usage_chunk(owner.outputs)
+        yield SSE_DONE
+    except APIError as exc:
+        yield sse_error(exc.body())
+        yield SSE_DONE
+    finally:
+        # Runs on normal end, on error, and on client disconnect (CancelledError). If the client
+        # left before this body ever started, the owner closes when the request task ends.
+        owner.close()

@@ -1,0 +1,79 @@
+"""What each choice of a request has produced so far, and the usage totals of a request.
+
+Runs in the gateway process. Owns `ChoiceOutput`, filled by the request owner as its consumer reads
+each JobOutput (never per token in any other place), and read by the OpenAI formatter and the
+metrics recorder. Pure data; no I/O.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from wire.params import ChatMessage
+from wire.results import FinishReason, JobOutput, TokenLogprob
+
+
+@dataclass(frozen=True, slots=True)
+class ChoiceInput:
+    """One job's prompt: exactly one of the three is set (normalized at the API edge)."""
+
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    messages: list[ChatMessage] | None = None
+    echo: str = ""  # completions with echo: the prompt text, put before the choice's text
+
+    def size_estimate(self) -> int:
+        """Prompt tokens, roughly, before the worker has tokenized it (admission and routing)."""
+        chars = len(self.prompt or "") + sum(len(m.content) for m in self.messages or [])
+        return chars // 4 + len(self.prompt_token_ids or [])
+
+
+@dataclass
+class ChoiceOutput:
+    index: int
+    prompt_tokens: int = 0
+    text_parts: list[str] = field(default_factory=list)
+    text_length: int = 0  # kept as we go: text offsets per chunk must not re-join the whole text
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    finish_reason: FinishReason | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+    def add(self, output: JobOutput) -> None:
+        self.text_parts.append(output.text)
+        self.text_length += len(output.text)
+        self.completion_tokens += len(output.token_ids)
+        if output.logprobs:
+            self.logprobs.extend(output.logprobs)
+        if output.finish_reason is not None:
+            self.finish_reason = output.finish_reason
+            if output.usage is not None:
+                self.prompt_tokens = output.usage.prompt_tokens
+                self.completion_tokens = output.usage.completion_tokens
+                self.cached_tokens = output.usage.cached_tokens
+
+    @property
+    def text(self) -> str:
+        return "".join(self.text_parts)
+
+
+@dataclass(frozen=True, slots=True)
+class UsageTotals:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+def usage_totals(choices: list[ChoiceOutput]) -> UsageTotals:
+    # n > 1 on one prompt shares the prompt: OpenAI counts it once.
+    prompts = {c.prompt_tokens for c in choices}
+    prompt_tokens = next(iter(prompts)) if len(prompts) == 1 else sum(c.prompt_tokens for c in choices)
+    return UsageTotals(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=sum(c.completion_tokens for c in choices),
+        cached_tokens=max((c.cached_tokens for c in choices), default=0),
+    )

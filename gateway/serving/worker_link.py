@@ -1,0 +1,249 @@
+"""The gateway's end of the ZeroMQ link: one ROUTER socket per listener, frames in and out.
+
+Runs in the gateway process, on its asyncio loop. Owns the sockets (ipc:// in a private 0700
+directory; optionally tcp:// with CURVE for remote workers), the reader tasks that decode each
+worker frame once, and the tables that route a frame to whoever waits for it: engine jobs (each
+the `JobReceiver` of one choice of one request) and one-shot exchanges (tokenize, detokenize).
+Lifecycle frames (Hello, Status, Ready, Heartbeat, Fatal) go to the supervisor through a callback.
+The link never ends a request itself: it hands each event to the request's owner.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import zmq
+import zmq.asyncio
+
+from gateway.config.registry import ConfigError, RemoteWorkersConfig
+from gateway.errors import APIError
+from wire import messages as wire
+from wire.codec import MAX_SOCKET_MESSAGE_BYTES, ProtocolError
+from wire.results import JobOutput
+
+logger = logging.getLogger(__name__)
+
+
+class JobReceiver(Protocol):
+    """The receiving end of one engine job (a choice of a request, in gateway.serving)."""
+
+    rid: str
+    worker_id: str | None
+
+    def on_reply(self, reply: wire.Accepted | wire.Rejected) -> None: ...
+
+    def on_output(self, output: JobOutput) -> None: ...
+
+    def on_aborted(self, message: wire.JobsAborted) -> None: ...
+
+    def on_worker_failed(self, error: APIError) -> None: ...
+
+
+@dataclass(eq=False)
+class _Exchange:
+    worker_id: str
+    reply: asyncio.Future[wire.Tokens | wire.Rejected]
+
+
+def check_remote_keys(remote: RemoteWorkersConfig) -> tuple[bytes, bytes, list[Path]]:
+    """The gateway's CURVE key pair and the authorized worker keys; ConfigError if unusable."""
+    import zmq.auth
+
+    try:
+        public, secret = zmq.auth.load_certificate(str(remote.secret_key_file))
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{remote.secret_key_file}: cannot read the CURVE secret key: {exc}") from None
+    if secret is None:
+        raise ConfigError(f"{remote.secret_key_file}: not a CURVE secret key file (make one: gateway keys)")
+    authorized = sorted(Path(remote.authorized_keys_dir).glob("*.key"))
+    if not authorized:
+        raise ConfigError(
+            f"{remote.authorized_keys_dir}: no authorized worker keys (*.key); refusing to listen on tcp"
+        )
+    return public, secret, authorized
+
+
+# (worker id, message, whether it came over the remote tcp listener)
+LifecycleCallback = Callable[[str, wire.Message, bool], None]
+
+
+class WorkerLink:
+    def __init__(
+        self, endpoint: str, on_lifecycle: LifecycleCallback, remote: RemoteWorkersConfig | None = None
+    ) -> None:
+        self.endpoint = endpoint
+        self.remote = remote
+        self._on_lifecycle = on_lifecycle
+        self._ctx = zmq.asyncio.Context()
+        self._sock = self._router_socket()
+        self._remote_sock: zmq.asyncio.Socket | None = None
+        self._authenticator: Any = None
+        # Which socket reaches each worker: replies go back the way the worker came in.
+        self._socket_of: dict[str, zmq.asyncio.Socket] = {}
+        self._jobs: dict[str, JobReceiver] = {}
+        self._exchanges: dict[str, _Exchange] = {}
+        # When each worker last sent anything: any frame proves it alive, not only heartbeats.
+        self.last_seen: dict[str, float] = {}
+        # When each worker last made progress (a Step frame) or was handed a job: wedge detection.
+        self.last_progress: dict[str, float] = {}
+        self._readers: list[asyncio.Task[None]] = []
+        self._dispatch: dict[type[wire.Message], Callable[[str, Any], None]] = {
+            wire.Step: self._on_step,
+            wire.Accepted: self._on_reply,
+            wire.Rejected: self._on_reply,
+            wire.Tokens: self._on_reply,
+            wire.JobsAborted: self._on_jobs_aborted,
+        }
+
+    def _router_socket(self) -> zmq.asyncio.Socket:
+        sock = self._ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_SOCKET_MESSAGE_BYTES)
+        sock.setsockopt(zmq.SNDHWM, 100_000)
+        sock.setsockopt(zmq.RCVHWM, 100_000)
+        # Fail loudly instead of silently dropping frames addressed to a worker that is gone.
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        sock.setsockopt(zmq.LINGER, 0)
+        return sock
+
+    async def start(self) -> None:
+        self._sock.bind(self.endpoint)
+        self._readers = [asyncio.create_task(self._read_forever(self._sock, False), name="worker-link-ipc")]
+        if self.remote is not None:
+            self._remote_sock = self._start_remote_listener(self.remote)
+            reader = asyncio.create_task(self._read_forever(self._remote_sock, True), name="worker-link-tcp")
+            self._readers.append(reader)
+
+    def _start_remote_listener(self, remote: RemoteWorkersConfig) -> zmq.asyncio.Socket:
+        """tcp with CURVE: traffic is encrypted and only workers whose public key is authorized get in."""
+        from zmq.auth.asyncio import AsyncioAuthenticator
+
+        public, secret, authorized = check_remote_keys(remote)
+        self._authenticator = AsyncioAuthenticator(self._ctx)
+        self._authenticator.start()
+        # ZAP checks each connecting worker's key against the files in this folder.
+        self._authenticator.configure_curve(domain="*", location=str(remote.authorized_keys_dir))
+        sock = self._router_socket()
+        sock.curve_secretkey = secret
+        sock.curve_publickey = public
+        sock.curve_server = True
+        sock.bind(remote.bind)
+        logger.info("remote workers: listening on %s (%d authorized key(s))", remote.bind, len(authorized))
+        return sock
+
+    async def close(self) -> None:
+        for reader in self._readers:
+            reader.cancel()
+        await asyncio.gather(*self._readers, return_exceptions=True)
+        self._sock.close()
+        if self._remote_sock is not None:
+            self._remote_sock.close()
+        if self._authenticator is not None:
+            self._authenticator.stop()
+        self._ctx.term()
+
+    # ---- sending -----------------------------------------------------------------------------
+
+    def send(self, worker_id: str, message: wire.Message) -> bool:
+        if isinstance(message, wire.Generate):
+            self.last_progress[worker_id] = time.monotonic()
+        try:
+            sock = self._socket_of.get(worker_id, self._sock)
+            sock.send_multipart([worker_id.encode(), wire.encode(message)], zmq.NOBLOCK)
+            return True
+        except zmq.ZMQError as exc:  # EHOSTUNREACH (worker gone) or EAGAIN (worker not reading)
+            logger.warning("could not send %s to worker %s: %s", type(message).__name__, worker_id, exc)
+            return False
+
+    # ---- jobs and exchanges ------------------------------------------------------------------
+
+    def add_job(self, job: JobReceiver) -> None:
+        self._jobs[job.rid] = job
+
+    def remove_job(self, rid: str) -> None:
+        self._jobs.pop(rid, None)
+
+    def jobs_of(self, worker_id: str) -> list[JobReceiver]:
+        return [job for job in self._jobs.values() if job.worker_id == worker_id]
+
+    async def exchange(
+        self, worker_id: str, message: wire.Tokenize | wire.Detokenize, timeout_s: float
+    ) -> Any:
+        """Send a one-shot request and wait for its Tokens or Rejected; TimeoutError past timeout_s,
+        the worker's failure (an APIError) if it dies meanwhile, False if it cannot be reached."""
+        pending = _Exchange(worker_id, asyncio.get_running_loop().create_future())
+        self._exchanges[message.rid] = pending
+        try:
+            if not self.send(worker_id, message):
+                return False
+            return await asyncio.wait_for(pending.reply, timeout_s)
+        finally:
+            self._exchanges.pop(message.rid, None)
+
+    def fail_worker(self, worker_id: str, error: APIError) -> None:
+        """The worker is gone: everything waiting on it hears so now."""
+        for job in self.jobs_of(worker_id):
+            job.on_worker_failed(error)
+        for pending in list(self._exchanges.values()):
+            if pending.worker_id == worker_id and not pending.reply.done():
+                pending.reply.set_exception(error)
+
+    # ---- receiving ---------------------------------------------------------------------------
+
+    async def _read_forever(self, sock: zmq.asyncio.Socket, remote: bool) -> None:
+        while True:
+            try:
+                frames = await sock.recv_multipart()
+            except zmq.ZMQError as exc:
+                logger.error("worker socket receive failed: %s", exc)
+                await asyncio.sleep(0.1)
+                continue
+            if len(frames) != 2:
+                logger.warning("dropped a message of %d frames", len(frames))
+                continue
+            worker_id = frames[0].decode(errors="replace")
+            self.last_seen[worker_id] = time.monotonic()
+            self._socket_of[worker_id] = sock
+            try:
+                message = wire.decode(frames[1])
+            except ProtocolError as exc:
+                logger.warning("dropped a bad frame from worker %s: %s", worker_id, exc)
+                continue
+            handler = self._dispatch.get(type(message))
+            try:
+                if handler is not None:
+                    handler(worker_id, message)
+                else:
+                    self._on_lifecycle(worker_id, message, remote)
+            except Exception:  # one bad message must not stop the reader for every request
+                logger.exception("error handling %s from worker %s", type(message).__name__, worker_id)
+
+    def _on_reply(self, worker_id: str, message: wire.Accepted | wire.Rejected | wire.Tokens) -> None:
+        job = self._jobs.get(message.rid)
+        if job is not None and not isinstance(message, wire.Tokens):
+            if job.worker_id == worker_id:
+                job.on_reply(message)
+            return
+        pending = self._exchanges.get(message.rid)
+        if pending is not None and pending.worker_id == worker_id and not pending.reply.done():
+            if not isinstance(message, wire.Accepted):
+                pending.reply.set_result(message)
+
+    def _on_step(self, worker_id: str, message: wire.Step) -> None:
+        self.last_progress[worker_id] = time.monotonic()
+        for output in message.outputs:
+            job = self._jobs.get(output.rid)
+            if job is not None and job.worker_id == worker_id:
+                job.on_output(output)
+            # else: the request already ended (its Cancel is on the way)
+
+    def _on_jobs_aborted(self, worker_id: str, message: wire.JobsAborted) -> None:
+        for rid in message.rids:
+            job = self._jobs.get(rid)
+            if job is not None and job.worker_id == worker_id:
+                job.on_aborted(message)

@@ -1,0 +1,1 @@
+"""Worker lifecycle in the gateway process: local worker supervision and remote worker membership."""

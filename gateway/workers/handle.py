@@ -1,0 +1,103 @@
+"""One model replica as the gateway sees it: its state, process, engine figures and routing load.
+
+Runs in the gateway process, on its asyncio loop. Owns `WorkerHandle` and the one method that
+changes a worker's state (`move_to`), which checks every change against wire.states' table.
+The supervisor and remote membership drive handles; the router reads them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from gateway.config.registry import ModelConfig
+from wire import messages as wire
+from wire.states import InvalidTransition, WorkerState, check_transition
+from wire.stats import EngineInfo, EngineStats
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class WorkerHandle:
+    id: str
+    model: ModelConfig
+    replica: int = 0
+    gpus: list[int] = field(default_factory=list)
+    state: WorkerState = WorkerState.STARTING
+    detail: str = ""
+    progress: float | None = None
+    pid: int | None = None
+    restarts: int = 0
+    consecutive_failures: int = 0
+    last_error: str | None = None  # what last went wrong; kept after a restart, for operators
+    death_cause: str | None = None  # why the current process is being killed or failed (Fatal, watchdogs)
+    info: EngineInfo | None = None
+    ready_message: wire.Ready | None = None
+    stats: EngineStats = field(default_factory=EngineStats)
+    spawned_at: float = 0.0
+    ready_at: float | None = None
+    in_flight: int = 0
+    tokens_per_s: float = 0.0
+    rate_at: float = 0.0
+    outstanding_tokens: int = 0  # prompt + max_tokens of its requests in flight: the routing load
+    last_used: float = field(default_factory=time.monotonic)
+    process: asyncio.subprocess.Process | None = None
+    task: asyncio.Task[None] | None = None
+    retiring: bool = False  # being unloaded or replaced: no restart when it exits
+    remote: bool = False  # a worker on another host: joined over tcp, never spawned by us
+    stale_rids: list[str] = field(default_factory=list)  # ended while it was lost: cancel on rejoin
+
+    @property
+    def ready(self) -> bool:
+        return self.state is WorkerState.READY
+
+    def move_to(self, state: WorkerState, detail: str) -> bool:
+        """Change state if the table allows it; a forbidden change is a bug, logged and refused."""
+        try:
+            check_transition(self.state, state)
+        except InvalidTransition as exc:
+            logger.error("worker %s: %s (%s); kept %s", self.id, exc, detail, self.state.value)
+            return False
+        if self.state is not state:
+            logger.info("worker %s: %s -> %s %s", self.id, self.state.value, state.value, detail)
+        self.state, self.detail = state, detail
+        return True
+
+    def forget_process(self) -> None:
+        """Nothing of a previous process carries over to the next one."""
+        self.info, self.ready_message, self.ready_at = None, None, None
+        self.stats = EngineStats()
+
+    def describe(self) -> dict[str, Any]:
+        now = time.monotonic()
+        ready = self.ready_message
+        return {
+            "id": self.id,
+            "model": self.model.name,
+            "replica": self.replica,
+            "state": self.state.value,
+            "category": self.state.category,
+            "detail": self.detail,
+            "progress": self.progress,
+            "pid": self.pid,
+            "gpus": list(self.gpus),
+            "active_jobs": self.stats.active_jobs,
+            "queued_jobs": self.stats.queued_jobs,
+            "in_flight": self.in_flight,
+            "outstanding_tokens": self.outstanding_tokens,
+            "tokens_per_s": round(self.tokens_per_s, 1),
+            "restarts": self.restarts,
+            "remote": self.remote,
+            "last_error": self.last_error,
+            "uptime_s": round(now - self.ready_at, 1) if self.ready_at and self.ready else None,
+            "info": dataclasses.asdict(self.info) if self.info is not None else {},
+            "load_s": ready.load_s if ready else None,
+            "warmup_s": ready.warmup_s if ready else None,
+            "chat_template": ready.chat_template if ready else None,
+            "stats": dataclasses.asdict(self.stats),
+        }

@@ -1,0 +1,95 @@
+"""Workers on other hosts: joining over the CURVE tcp listener, losing contact, and rejoining.
+
+Runs in the gateway process, on its asyncio loop, as part of the supervisor. Owns the membership of
+remote workers: a worker whose id is `MODEL@SOMETHING` and whose key the listener authorized joins
+with a Hello; when no frame arrives for `heartbeat_timeout_s` it is `lost` (unready; its requests end
+with a clear error and are never re-sent); when frames arrive again it rejoins, and the jobs it
+still holds for those ended requests are cancelled, so no request runs twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from gateway.workers.handle import WorkerHandle
+from wire import messages as wire
+from wire.states import WorkerState
+
+if TYPE_CHECKING:
+    from gateway.workers.supervisor import Supervisor
+
+S = WorkerState
+
+logger = logging.getLogger(__name__)
+REINTRODUCE_EVERY_S = 5.0
+
+
+class RemoteMembers:
+    def __init__(self, supervisor: Supervisor) -> None:
+        self.supervisor = supervisor
+        self._asked: dict[str, float] = {}
+
+    def on_unknown(self, worker_id: str, message: wire.Message) -> None:
+        """A frame over tcp from a worker we do not know: a new worker, or one that outlived us."""
+        if isinstance(message, wire.Hello):
+            self.join(worker_id, message)
+            return
+        now = time.monotonic()
+        if now - self._asked.get(worker_id, 0.0) >= REINTRODUCE_EVERY_S:
+            # The gateway restarted while this worker kept running: ask it to introduce itself.
+            self._asked[worker_id] = now
+            self.supervisor.link.send(worker_id, wire.Reintroduce())
+
+    def join(self, worker_id: str, hello: wire.Hello) -> WorkerHandle | None:
+        supervisor = self.supervisor
+        model = supervisor.registry.model(worker_id.split("@", 1)[0])
+        if model is None or not model.remote or "@" not in worker_id:
+            logger.warning("worker %s refused: its id must be MODEL@NAME for a remote model", worker_id)
+            supervisor.link.send(worker_id, wire.Shutdown(0.0))
+            return None
+        if hello.version != wire.PROTOCOL_VERSION:
+            logger.error(
+                "worker %s refused: protocol %s != %s", worker_id, hello.version, wire.PROTOCOL_VERSION
+            )
+            return None
+        handle = WorkerHandle(id=worker_id, model=model, remote=True, pid=hello.pid)
+        handle.spawned_at = time.monotonic()
+        supervisor.workers[worker_id] = handle
+        supervisor.set_state(handle, S.STARTING, f"remote worker joined (pid {hello.pid})")
+        handle.task = asyncio.get_running_loop().create_task(self._watch(handle), name=f"remote:{worker_id}")
+        logger.info("remote worker %s joined for model %s", worker_id, model.name)
+        return handle
+
+    def rejoin(self, handle: WorkerHandle, hello: wire.Hello) -> None:
+        """The same id said Hello again: a restarted process. Whatever it held is gone with it."""
+        handle.pid = hello.pid
+        handle.forget_process()
+        handle.stale_rids.clear()
+        self.supervisor.set_state(handle, S.STARTING, "remote worker restarted")
+
+    async def _watch(self, handle: WorkerHandle) -> None:
+        server = self.supervisor.registry.server
+        link = self.supervisor.link
+        while True:
+            await asyncio.sleep(min(server.heartbeat_interval_s, 0.5))
+            silent_s = time.monotonic() - link.last_seen.get(handle.id, 0.0)
+            # Loading blocks the worker's only thread (no heartbeats), so it gets the start deadline.
+            starting = handle.state in (S.STARTING, S.LOADING, S.WARMING)
+            limit = server.worker_start_timeout_s if starting else server.heartbeat_timeout_s
+            if handle.state is not S.LOST and silent_s > limit:
+                handle.stale_rids = [job.rid for job in link.jobs_of(handle.id)]
+                reason = f"lost contact with remote worker {handle.id} (no frame for {silent_s:.0f}s)"
+                self.supervisor.fail_requests(handle, reason)
+                handle.last_error = reason
+                self.supervisor.set_state(handle, S.LOST, reason)
+            elif handle.state is S.LOST and silent_s < server.heartbeat_interval_s * 3:
+                for rid in handle.stale_rids:
+                    link.send(handle.id, wire.Cancel(rid))  # ended on our side: must not run on
+                logger.info(
+                    "remote worker %s is back; cancelled %d stale job(s)", handle.id, len(handle.stale_rids)
+                )
+                handle.stale_rids = []
+                self.supervisor.set_state(handle, S.READY if handle.info else S.LOADING, "reconnected")

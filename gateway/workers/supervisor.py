@@ -1,0 +1,310 @@
+"""Local worker lifecycle: spawn, watch, restart with backoff, stop.
+
+Runs in the gateway process, on its asyncio loop. Owns one `WorkerHandle` per model replica and
+the child processes behind them. Death is seen three ways: the process exit (asyncio's child
+watcher), a missing frame for `heartbeat_timeout_s` (lost or wedged), and a missed start deadline.
+When a worker goes, every request it held hears so at once, through the link, from its owner.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict
+
+from gateway.config.registry import ModelConfig, Registry, worker_spec
+from gateway.errors import WorkerFailed
+from gateway.serving.worker_link import WorkerLink
+from gateway.workers.handle import WorkerHandle
+from gateway.workers.remote import RemoteMembers
+from wire import messages as wire
+from wire.states import HOLDS_PROCESS, WorkerState
+
+logger = logging.getLogger(__name__)
+
+STABLE_AFTER_S = 60.0  # a worker ready this long resets its crash count and backoff
+S = WorkerState
+STARTUP = (S.STARTING, S.LOADING, S.WARMING)
+
+StateListener = Callable[[WorkerHandle], None]
+
+
+class Supervisor:
+    def __init__(self, registry: Registry, link: WorkerLink, on_state: StateListener) -> None:
+        self.registry = registry
+        self.link = link
+        self._on_state = on_state
+        self.workers: dict[str, WorkerHandle] = {}
+        self._generations: dict[str, int] = {}
+        self._stopping = False
+        self._idle_task: asyncio.Task[None] | None = None
+        self._background: set[asyncio.Task[None]] = set()
+        self.remote = RemoteMembers(self)
+        for model in registry.models:
+            self.add(model)
+
+    # ---- public ------------------------------------------------------------------------------
+
+    def add(self, model: ModelConfig) -> list[WorkerHandle]:
+        """One handle per replica; ids change per generation so a draining predecessor never clashes."""
+        generation = self._generations.get(model.name, -1) + 1
+        self._generations[model.name] = generation
+        if model.remote:
+            return []  # its workers join over the network
+        handles = []
+        for replica in range(model.replicas):
+            suffix = f"-r{replica}" if model.replicas > 1 else ""
+            handle = WorkerHandle(
+                id=f"{model.name}#{generation}{suffix}",
+                model=model,
+                replica=replica,
+                gpus=model.gpus_of_replica(replica),
+            )
+            if model.load == "on_demand":
+                handle.state, handle.detail = S.UNLOADED, "loads at its first request"
+            self.workers[handle.id] = handle
+            handles.append(handle)
+        return handles
+
+    def start(self) -> None:
+        for handle in self.workers.values():
+            if handle.model.load == "startup":
+                self.launch(handle)
+        self._idle_task = asyncio.create_task(self._unload_idle_forever(), name="idle-unloader")
+
+    def launch(self, handle: WorkerHandle) -> None:
+        """Start (or restart after an unload) the worker of a handle; idempotent while it runs."""
+        if self._stopping or handle.remote or (handle.task is not None and not handle.task.done()):
+            return
+        handle.retiring, handle.consecutive_failures = False, 0
+        handle.last_used = time.monotonic()
+        handle.task = asyncio.create_task(self._keep_running(handle), name=f"supervise:{handle.id}")
+
+    async def retire(
+        self, handle: WorkerHandle, grace_s: float, final_state: WorkerState = S.UNLOADED
+    ) -> None:
+        """Drain (requests in flight may finish within grace_s), stop the worker, free its GPU."""
+        handle.retiring = True
+        if handle.state in HOLDS_PROCESS:
+            self.set_state(handle, S.DRAINING, "unloading")
+        deadline = time.monotonic() + grace_s
+        while handle.in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if handle.process and handle.process.returncode is None:
+            self.link.send(handle.id, wire.Shutdown(max(deadline - time.monotonic(), 0.0)))
+            await self._reap(handle, max(deadline - time.monotonic(), 0.0) + 5.0)
+        if handle.task is not None:
+            handle.task.cancel()
+            await asyncio.gather(handle.task, return_exceptions=True)
+        handle.pid = None
+        handle.forget_process()
+        self.set_state(handle, final_state, "")
+
+    def remove(self, handle: WorkerHandle) -> None:
+        self.workers.pop(handle.id, None)
+
+    async def stop(self, grace_s: float) -> None:
+        self._stopping = True
+        if self._idle_task is not None:
+            self._idle_task.cancel()
+        for handle in self.workers.values():
+            if handle.process and handle.process.returncode is None:
+                self.set_state(handle, S.DRAINING, "shutting down")
+                self.link.send(handle.id, wire.Shutdown(grace_s))
+        deadline = time.monotonic() + grace_s + 5.0
+        for handle in self.workers.values():
+            await self._reap(handle, max(deadline - time.monotonic(), 0.1))
+            self.set_state(handle, S.STOPPED, "")
+        tasks = [h.task for h in self.workers.values() if h.task is not None]
+        tasks += [t for t in (self._idle_task, *self._background) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _unload_idle_forever(self) -> None:
+        while True:
+            await asyncio.sleep(0.5)
+            now = time.monotonic()
+            for handle in list(self.workers.values()):
+                idle_s = handle.model.idle_unload_s
+                if idle_s and handle.ready and not handle.in_flight and now - handle.last_used >= idle_s:
+                    logger.info("worker %s idle for %.0fs; unloading", handle.id, now - handle.last_used)
+                    task = asyncio.create_task(self.retire(handle, 0.0))
+                    self._background.add(task)
+                    task.add_done_callback(self._background.discard)
+
+    def mark_draining(self) -> None:
+        """Shutdown has begun: nothing new is routed; in-flight jobs keep their worker."""
+        for handle in self.workers.values():
+            if handle.state in (S.READY, S.STARTING, S.LOADING, S.WARMING):
+                self.set_state(handle, S.DRAINING, "shutting down")
+
+    def on_message(self, worker_id: str, message: wire.Message, remote: bool = False) -> None:
+        handle = self.workers.get(worker_id)
+        if handle is not None and handle.remote != remote:
+            logger.warning("frame for worker %s on the wrong socket dropped", worker_id)
+            return
+        if handle is None:
+            if remote:
+                self.remote.on_unknown(worker_id, message)
+            else:
+                logger.warning("frame from unknown worker %s dropped", worker_id)
+            return
+        if remote and isinstance(message, wire.Hello):
+            self.remote.rejoin(handle, message)
+            return
+        if isinstance(message, wire.Heartbeat):
+            self._update_rate(handle, message.stats)
+            handle.stats = message.stats
+        elif isinstance(message, wire.Status):
+            # Frames of a process that has since died may still be queued: only a live one moves on.
+            if message.state is S.DRAINING and handle.state in HOLDS_PROCESS:
+                self.set_state(handle, S.DRAINING, message.detail)
+            elif message.state in STARTUP and handle.state in STARTUP:
+                handle.detail, handle.progress = message.detail, message.progress
+                self.set_state(handle, message.state, message.detail)
+        elif isinstance(message, wire.Ready):
+            if self._stopping or handle.retiring or handle.state not in STARTUP:
+                return
+            handle.info, handle.ready_message = message.info, message
+            handle.ready_at = handle.last_used = time.monotonic()
+            handle.detail, handle.progress = "", None
+            self.set_state(handle, S.READY, "")
+            logger.info("worker %s ready (model %s, pid %s)", handle.id, handle.model.name, handle.pid)
+        elif isinstance(message, wire.Hello):
+            if message.version != wire.PROTOCOL_VERSION:
+                reason = f"protocol version {message.version} != gateway's {wire.PROTOCOL_VERSION}"
+                logger.error("worker %s refused: %s", worker_id, reason)
+                handle.last_error = handle.death_cause = reason
+                self._kill(handle)
+        elif isinstance(message, wire.Fatal):
+            handle.death_cause = message.message
+            logger.error("worker %s reported a fatal error: %s", worker_id, message.message)
+
+    # ---- per-worker task ---------------------------------------------------------------------
+
+    async def _keep_running(self, handle: WorkerHandle) -> None:
+        server = self.registry.server
+        backoff = server.restart_backoff_s
+        while not (self._stopping or handle.retiring):
+            await self._spawn(handle)
+            exit_reason = await self._watch(handle)
+            reason = f"{handle.death_cause} ({exit_reason})" if handle.death_cause else exit_reason
+            self.fail_requests(handle, reason)
+            if self._stopping or handle.retiring:
+                return  # stop() or retire() decides the final state
+            # A crash loop is a worker that cannot get to ready; one that served and then died is
+            # restarted, with a backoff that resets once it has stayed up for a while.
+            if handle.ready_at is None:
+                handle.consecutive_failures += 1
+            else:
+                handle.consecutive_failures = 0
+                if time.monotonic() - handle.ready_at >= STABLE_AFTER_S:
+                    backoff = server.restart_backoff_s
+            handle.last_error = reason
+            logger.error("worker %s stopped: %s", handle.id, reason)
+            if handle.consecutive_failures >= server.restart_limit:
+                detail = f"{handle.consecutive_failures} failed starts; last: {reason}"
+                self.set_state(handle, S.FAILED, detail)
+                return
+            self.set_state(handle, S.RESTARTING, f"restart in {backoff:.1f}s after: {reason}")
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, server.restart_backoff_max_s)
+            handle.restarts += 1
+
+    async def _spawn(self, handle: WorkerHandle) -> None:
+        model = handle.model
+        env = dict(os.environ)
+        # CPU workers see no GPU at all; GPU workers see only theirs, renumbered from 0.
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in handle.gpus)
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        handle.forget_process()
+        handle.death_cause = None
+        self.set_state(handle, S.STARTING, "spawning process")
+        spec = worker_spec(model, self.registry.server.heartbeat_interval_s)
+        handle.process = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "model_worker",
+            "--connect",
+            self.link.endpoint,
+            "--worker-id",
+            handle.id,
+            "--spec",
+            json.dumps(asdict(spec)),
+            "--parent-pid",
+            str(os.getpid()),
+            env=env,
+            stdin=asyncio.subprocess.DEVNULL,
+        )
+        handle.pid = handle.process.pid
+        handle.spawned_at = time.monotonic()
+        self.link.last_seen[handle.id] = handle.spawned_at
+        logger.info("spawned worker %s for model %s (pid %s)", handle.id, model.name, handle.pid)
+
+    async def _watch(self, handle: WorkerHandle) -> str:
+        """Return when the worker is gone, with the reason; kill it if it is lost or too slow to start."""
+        assert handle.process is not None
+        server = self.registry.server
+        wedge_timeout_s = handle.model.limits.wedge_timeout_s
+        exited = asyncio.create_task(handle.process.wait())
+        while True:
+            done, _ = await asyncio.wait({exited}, timeout=min(server.heartbeat_interval_s, 1.0))
+            if done:
+                code = exited.result()
+                return f"exited with code {code}" if code >= 0 else f"killed by signal {-code}"
+            now = time.monotonic()
+            if not handle.ready and handle.state is not S.DRAINING:
+                if now - handle.spawned_at > server.worker_start_timeout_s:
+                    handle.death_cause = (
+                        f"not ready within worker_start_timeout_s={server.worker_start_timeout_s:g}s; "
+                        "raise it in the registry's server section if loading is legitimately slow"
+                    )
+                    self._kill(handle)
+            elif now - self.link.last_seen.get(handle.id, now) > server.heartbeat_timeout_s:
+                handle.death_cause = f"no heartbeat for {server.heartbeat_timeout_s:g}s (hung or lost)"
+                self._kill(handle)
+            elif handle.in_flight and now - self.link.last_progress.get(handle.id, now) > wedge_timeout_s:
+                handle.death_cause = f"jobs in flight but no generator step for {wedge_timeout_s:g}s (wedged)"
+                self._kill(handle)
+
+    @staticmethod
+    def _update_rate(handle: WorkerHandle, stats: wire.EngineStats) -> None:
+        """tokens/s between heartbeats, smoothed, for /admin/workers and the dashboard."""
+        now, previous = time.monotonic(), handle.stats.generated_tokens
+        if now > handle.rate_at > 0:
+            rate = max(stats.generated_tokens - previous, 0) / (now - handle.rate_at)
+            handle.tokens_per_s += (rate - handle.tokens_per_s) * 0.5
+        handle.rate_at = now
+
+    def fail_requests(self, handle: WorkerHandle, reason: str) -> None:
+        """The worker is gone or unreachable: every request it held ends now with a clear error."""
+        message = f"the worker for model '{handle.model.name}' failed: {reason}"
+        self.link.fail_worker(handle.id, WorkerFailed(message))
+
+    def set_state(self, handle: WorkerHandle, state: WorkerState, detail: str) -> None:
+        if handle.move_to(state, detail):
+            self._on_state(handle)
+
+    # ---- helpers -----------------------------------------------------------------------------
+
+    def _kill(self, handle: WorkerHandle) -> None:
+        if handle.process and handle.process.returncode is None:
+            handle.process.send_signal(signal.SIGKILL)
+
+    async def _reap(self, handle: WorkerHandle, timeout: float) -> None:
+        process = handle.process
+        if process is None or process.returncode is not None:
+            return
+        try:
+            await asyncio.wait_for(process.wait(), timeout)
+        except asyncio.TimeoutError:
+            logger.warning("worker %s did not exit in time; killing it", handle.id)
+            self._kill(handle)
+            await process.wait()

@@ -1,0 +1,42 @@
+"""The warm-up a worker runs after loading and before it reports ready.
+
+Runs in the worker process, on the serve loop's thread, through the engine's own submit/step. Owns
+the warm-up plan: one-time costs (kernel selection, allocator growth, sampling paths, longer
+sequence shapes) are paid here, so the first user request is as fast as the tenth.
+"""
+
+from __future__ import annotations
+
+import time
+
+from model_worker.engines.base import Engine
+from wire.params import SamplingParams
+
+WARMUP_PROMPT = (
+    "Warm-up: the worker runs this once after loading so that kernels, allocators and caches "
+    "are initialised before the first user request arrives. " * 3
+)
+
+
+def warm_up(engine: Engine, max_seq_len: int, runs: int) -> float:
+    """A short greedy run (`runs` times), a longer prompt and completion, and a sampled run;
+    returns the seconds it took. Prompts and completions always fit the context."""
+    started = time.monotonic()
+    short = engine.encode(WARMUP_PROMPT, add_special_tokens=True)[: max(max_seq_len // 4, 1)]
+    long_len = max(min(512, max_seq_len // 2), len(short))
+    long = (short * (long_len // len(short) + 1))[:long_len]
+
+    def params(
+        prompt: list[int], tokens: int, temperature: float = 0.0, top_p: float = 1.0
+    ) -> SamplingParams:
+        room = max(min(tokens, max_seq_len - len(prompt) - 1), 1)
+        return SamplingParams(max_tokens=room, ignore_eos=True, temperature=temperature, top_p=top_p, seed=0)
+
+    plan = [(short, params(short, 32))] * max(runs - 1, 1)
+    plan.append((long, params(long, 128)))
+    plan.append((short, params(short, 32, temperature=0.8, top_p=0.9)))
+    for run, (prompt_ids, job_params) in enumerate(plan):
+        engine.submit(f"__warmup-{run}", prompt_ids, job_params)
+        while engine.has_work():
+            engine.step()
+    return time.monotonic() - started

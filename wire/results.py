@@ -1,0 +1,88 @@
+"""What a worker sends back about jobs: outputs per step, usage, logprobs, and why a job ended.
+
+Imported by the worker (engines build these) and by the gateway (which turns them into OpenAI
+chunks). One shape per concept: logprobs always carry the token's text and id, finish and abort
+reasons are enums, usage is a struct, and an abort is its own message, never a finish reason.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class FinishReason(str, enum.Enum):
+    """How a job ended on its own; OpenAI's finish_reason values."""
+
+    STOP = "stop"  # EOS, a stop token or a stop string
+    LENGTH = "length"  # max_tokens, or the context is full
+
+
+class AbortReason(str, enum.Enum):
+    """Why a worker ended jobs that had not finished (the JobsAborted message)."""
+
+    SHUTDOWN = "shutdown"  # the worker's drain grace period ran out
+
+
+class RejectCode(str, enum.Enum):
+    """Why a worker refused a request before it started (the Rejected message); OpenAI error codes."""
+
+    INVALID_REQUEST = "invalid_request"
+    INVALID_PROMPT = "invalid_prompt"
+    INVALID_VALUE = "invalid_value"
+    INVALID_MESSAGES = "invalid_messages"
+    INVALID_TOKENS = "invalid_tokens"
+    INVALID_RESPONSE_FORMAT = "invalid_response_format"
+    CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+    CHAT_TEMPLATE_MISSING = "chat_template_missing"
+    UNSUPPORTED_PARAMETER = "unsupported_parameter"
+    DUPLICATE_REQUEST_ID = "duplicate_request_id"
+    SHUTTING_DOWN = "service_unavailable"  # the worker is draining: a server condition, not the client's
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    """A finished job's token counts and engine-side timings (seconds)."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+    queue_s: float = 0.0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    accepted_draft_tokens: int = 0
+    rejected_draft_tokens: int = 0
+
+    def check(self) -> None:
+        if min(self.prompt_tokens, self.completion_tokens, self.cached_tokens) < 0:
+            raise ValueError("token counts must not be negative")
+
+
+@dataclass(frozen=True, slots=True)
+class TopLogprob:
+    token: str
+    token_id: int
+    logprob: float
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """One generated token's log-probability and, when asked for, its most likely alternatives."""
+
+    token: str
+    token_id: int
+    logprob: float
+    top: list[TopLogprob]
+
+
+@dataclass(frozen=True, slots=True)
+class JobOutput:
+    """One job's progress in one generator step. `usage` is set on the job's last output, the one
+    with a `finish_reason`. `logprobs`, when asked for, has one entry per id in `token_ids`."""
+
+    rid: str
+    text: str
+    token_ids: list[int]
+    finish_reason: FinishReason | None = None
+    usage: Usage | None = None
+    logprobs: list[TokenLogprob] | None = None

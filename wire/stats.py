@@ -1,0 +1,74 @@
+"""What a worker reports about itself: engine info at ready, engine stats in every heartbeat.
+
+Imported by the worker (engines fill these) and the gateway (admin API, metrics, watchdogs). Every
+engine reports the same shapes; a figure an engine does not have keeps its default.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceInfo:
+    """One GPU as the worker sees it; `visible_as` is the host's index it was pinned to."""
+
+    index: int
+    visible_as: str
+    name: str
+    uuid: str = ""
+    memory_used_mib: int = 0
+    memory_total_mib: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class EngineInfo:
+    """The engine's limits and set-up, sent once in Ready."""
+
+    engine: str
+    engine_version: str
+    max_seq_len: int
+    max_batch_size: int  # jobs it runs at once (1 for an unpaged exllamav2 generator)
+    max_chunk_size: int
+    vocab_size: int
+    paged: bool
+    devices: list[DeviceInfo]
+    attention: str = ""
+    cache_size: int = 0  # KV cache tokens; 0 when the engine has no shared cache
+    cache_mode: str = ""
+    dtype: str = ""
+    draft: str = ""  # "" (none), "ngram", or the draft model's folder name
+    configured_max_batch_size: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """Load figures in every heartbeat. `steps` counts generator steps of every kind, prefill
+    included; `active_jobs` and `queued_jobs` are the jobs the engine actually holds."""
+
+    active_jobs: int = 0
+    queued_jobs: int = 0
+    steps: int = 0
+    generated_tokens: int = 0
+    jobs_finished: int = 0
+    jobs_cancelled: int = 0
+    jobs_per_step: float = 0.0
+    kv_cache_usage_ratio: float = 0.0
+    cache_pages_total: int = 0  # 0 when the engine does not page its cache
+    cache_pages_free: int = 0
+    # Device-wide memory in use, keyed by the host's GPU index.
+    gpu_memory_used_bytes: dict[str, int] = field(default_factory=dict)
+
+    def check(self) -> None:
+        counts = (
+            self.active_jobs, self.queued_jobs, self.steps, self.generated_tokens,
+            self.jobs_finished, self.jobs_cancelled, self.cache_pages_total, self.cache_pages_free,
+        )  # fmt: skip
+        if min(counts) < 0 or self.jobs_per_step < 0:
+            raise ValueError("counts must not be negative")
+        if not 0.0 <= self.kv_cache_usage_ratio <= 1.0:
+            raise ValueError("kv_cache_usage_ratio must be within [0, 1]")
+        if self.cache_pages_free > self.cache_pages_total:
+            raise ValueError("more free cache pages than pages")
+        if any(v < 0 for v in self.gpu_memory_used_bytes.values()):
+            raise ValueError("memory must not be negative")
