@@ -33,9 +33,9 @@ test: install
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 
 lint: install
-	$(BIN)/ruff check gateway model_worker tests bench
-	$(BIN)/ruff format --check gateway model_worker tests bench
-	$(BIN)/mypy gateway model_worker/protocol.py
+	$(BIN)/ruff check gateway model_worker wire tests bench
+	$(BIN)/ruff format --check gateway model_worker wire tests bench
+	$(BIN)/mypy gateway model_worker wire
 
 bench: install demo-models
 	$(BIN)/python bench/bench_gateway_cpu.py

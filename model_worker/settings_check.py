@@ -17,9 +17,10 @@ import json
 import sys
 from typing import Any
 
-from pydantic import BaseModel, ValidationError
+from pydantic import ValidationError
 
 from model_worker.engines import registry
+from model_worker.engines.base import EngineSettings
 
 
 def _errors(exc: ValidationError) -> list[dict[str, str]]:
@@ -30,7 +31,7 @@ def _errors(exc: ValidationError) -> list[dict[str, str]]:
     return out
 
 
-def check_model(model: dict[str, Any], base_dir: str | None) -> tuple[BaseModel | None, dict[str, Any]]:
+def check_model(model: dict[str, Any], base_dir: str | None) -> tuple[EngineSettings | None, dict[str, Any]]:
     """(validated settings or None, the report for the gateway) for one registry entry."""
     report: dict[str, Any] = {"name": model.get("name"), "errors": []}
     try:
@@ -54,8 +55,8 @@ def check_model(model: dict[str, Any], base_dir: str | None) -> tuple[BaseModel 
         )
         return None, report
     report["engine_settings"] = settings.model_dump(mode="json")
-    report["weight_dirs"] = [str(p) for p in settings.weight_dirs()]  # type: ignore[attr-defined]
-    report["reserve_vram_gb"] = settings.reserved_vram_gb()  # type: ignore[attr-defined]
+    report["weight_dirs"] = [str(p) for p in settings.weight_dirs()]
+    report["reserve_vram_gb"] = settings.reserved_vram_gb()
     return settings, report
 
 

@@ -140,7 +140,7 @@ def _decoder_for(hint: Any, where: str) -> Decoder:
                 raise ProtocolError(f"{where}: {value!r} is not a {enum_type.__name__}") from None
 
         return decode_enum
-    if dataclasses.is_dataclass(hint):
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
         return compiled(hint).decode_fields
     if hint in (int, float, str, bool):
         return _scalar_decoder(hint, where)
@@ -167,7 +167,7 @@ def _encoder_for(hint: Any) -> Encoder:
         return _identity  # keys and values are scalars or plain data on every dict we send
     if isinstance(hint, type) and issubclass(hint, enum.Enum):
         return lambda value: value.value
-    if dataclasses.is_dataclass(hint):
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
         return compiled(hint).encode_fields
     return _identity
 

@@ -286,7 +286,7 @@ class ExLlamaV2Engine:
         self._jobs_per_step += (active - self._jobs_per_step) * 0.05
         merged: dict[str, PartialOutput] = {}
         for result in results:
-            state = self._jobs.get(result.get("identifier"))  # type: ignore[arg-type]
+            state = self._jobs.get(str(result.get("identifier")))
             if result["stage"] != "streaming" or state is None:
                 continue
             rid = result["identifier"]

@@ -281,7 +281,8 @@ class TransformersEngine:
             use_cache=True,
             logits_to_keep=1,
         )
-        return out.logits[:, -1, :].float()
+        logits: torch.Tensor = out.logits[:, -1, :].float()
+        return logits
 
     def _advance(self, job: _Job, logits: torch.Tensor) -> JobOutput:
         """Sample one token for a job and turn it into this step's output."""

@@ -1,0 +1,372 @@
+"""The request owner's life and every way it ends, over the real worker link and a real socket.
+
+Runs in the pytest process: a real WorkerLink binds an ipc socket, and DEALER sockets in the test
+play the workers (they answer Generate with Accepted, send Steps, go silent, or abort), so each
+abort path is seen from the worker's side too: which Cancels it gets, and that every slot is back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import zmq
+import zmq.asyncio
+
+from gateway.config.registry import ModelConfig, ModelLimits
+from gateway.errors import APIError, InvalidRequest, RequestTimeout, ServiceUnavailable, WorkerFailed
+from gateway.observability.metrics import GatewayMetrics, RequestRecorder
+from gateway.serving.outputs import ChoiceInput
+from gateway.serving.request_owner import KEEPALIVE, RequestOwner
+from gateway.serving.router import ModelRoute
+from gateway.serving.service import GenerationService
+from gateway.serving.worker_link import WorkerLink
+from gateway.workers.handle import WorkerHandle
+from wire import messages as wire
+from wire.params import SamplingParams
+from wire.results import AbortReason, FinishReason, JobOutput, RejectCode, Usage
+from wire.states import WorkerState
+
+
+class Peer:
+    """A scripted worker: a DEALER with the worker's identity on the gateway's socket."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, endpoint: str, worker_id: str) -> None:
+        self.sock = ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.IDENTITY, worker_id.encode())
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(endpoint)
+
+    async def send(self, message: wire.Message) -> None:
+        await self.sock.send(wire.encode(message))
+
+    async def receive(self, timeout: float = 2.0) -> wire.Message:
+        return wire.decode(await asyncio.wait_for(self.sock.recv(), timeout))
+
+    async def generates(self, count: int, accept: bool = False) -> list[wire.Generate]:
+        """The next `count` Generates; with `accept`, each is accepted as it arrives (a request's
+        choices are placed one after the other)."""
+        got: list[wire.Generate] = []
+        while len(got) < count:
+            message = await self.receive()
+            assert isinstance(message, wire.Generate), message
+            got.append(message)
+            if accept:
+                await self.send(wire.Accepted(message.rid, 3))
+        return got
+
+    async def cancels(self) -> set[str]:
+        """Cancels that arrive within a short while."""
+        rids = set()
+        while True:
+            try:
+                message = await self.receive(0.3)
+            except asyncio.TimeoutError:
+                return rids
+            assert isinstance(message, wire.Cancel), message
+            rids.add(message.rid)
+
+
+@dataclass
+class Rig:
+    link: WorkerLink
+    route: ModelRoute
+    service: GenerationService
+    peers: dict[str, Peer]
+    metrics: GatewayMetrics
+    recorders: list[RequestRecorder] = field(default_factory=list)
+
+    def open(
+        self, n: int = 1, deadline_s: float = 10.0, streaming: bool = True, **params: Any
+    ) -> RequestOwner:
+        recorder = RequestRecorder(self.metrics, "m", "/v1/completions")
+        self.recorders.append(recorder)
+        sampling = SamplingParams(max_tokens=8, **params)
+        loop = asyncio.get_running_loop()
+        return self.service.open(self.route, [ChoiceInput(prompt="hi")] * n, sampling,
+                                 loop.time() + deadline_s, recorder, streaming)  # fmt: skip
+
+    def assert_all_released(self) -> None:
+        assert all(r.in_flight == 0 and r.outstanding_tokens == 0 for r in self.route.replicas)
+        assert not self.link.jobs_of("w0") and not self.link.jobs_of("w1")
+        assert not self.service.requests
+
+    def status(self) -> int:
+        """The status the last request was counted with in the metrics."""
+        samples = self.metrics.requests.collect()[0].samples
+        statuses = [s.labels["status"] for s in samples if s.name.endswith("_total") and s.value]
+        return int(statuses[-1])
+
+
+@asynccontextmanager
+async def rig(tmp_path: Path, ready: tuple[str, ...] = ("w0",), **service: float) -> AsyncIterator[Rig]:
+    endpoint = f"ipc://{tmp_path}/workers.sock"
+    link = WorkerLink(endpoint, lambda worker_id, message, remote: None)
+    await link.start()
+    config = ModelConfig(name="m", engine="transformers", path=Path("x"), replicas=2,
+                         limits=ModelLimits(max_concurrent_jobs=4))  # fmt: skip
+    handles = [WorkerHandle(f"w{i}", config, replica=i) for i in range(2)]
+    for handle in handles:
+        handle.state = WorkerState.READY if handle.id in ready else WorkerState.LOADING
+    ctx = zmq.asyncio.Context()
+    peers = {h.id: Peer(ctx, endpoint, h.id) for h in handles}
+    for worker_id, peer in peers.items():  # the ROUTER learns each identity from its first frame
+        await peer.send(wire.Hello(wire.PROTOCOL_VERSION, worker_id, 1))
+    await asyncio.sleep(0.05)
+    generation = GenerationService(link, service.get("keepalive_s", 15.0), service.get("stall_s", 30.0))
+    generation.start()
+    try:
+        yield Rig(link, ModelRoute(config, handles, lambda h: None), generation, peers, GatewayMetrics(None))  # type: ignore[arg-type]
+    finally:
+        await generation.stop()
+        for peer in peers.values():
+            peer.sock.close(0)
+        ctx.term()
+        await link.close()
+
+
+async def consume(owner: RequestOwner, started: Callable[[], None] | None = None) -> list[Any]:
+    """What an HTTP handler does: admit, read every event, close."""
+    try:
+        await owner.admit()
+        if started is not None:
+            started()
+        events = []
+        async for event in owner.events():
+            if event is not KEEPALIVE:
+                events.append(event)
+        return events
+    finally:
+        owner.close()
+
+
+def output(rid: str, text: str, finish: FinishReason | None = None) -> JobOutput:
+    return JobOutput(rid, text, [1], finish, Usage(3, 2) if finish else None)
+
+
+def test_a_request_runs_to_its_end_and_gives_everything_back(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with rig(tmp_path) as r:
+            owner = r.open(n=2, seed=5)
+            handler = asyncio.create_task(consume(owner))
+            first, second = await r.peers["w0"].generates(2, accept=True)
+            assert (first.params.seed, second.params.seed) == (5, 6)  # choices are not copies
+            await r.peers["w0"].send(wire.Step([output(first.rid, "a"), output(second.rid, "b")]))
+            await r.peers["w0"].send(wire.Step([output(first.rid, "c", FinishReason.STOP)]))
+            await r.peers["w0"].send(wire.Step([output(second.rid, "d", FinishReason.LENGTH)]))
+            events = await asyncio.wait_for(handler, 2)
+            assert [(i, o.text) for i, o in events] == [(0, "a"), (1, "b"), (0, "c"), (1, "d")]
+            assert [c.output.text for c in owner.choices] == ["ac", "bd"]
+            assert owner.outcome == 200 and r.status() == 200
+            assert await r.peers["w0"].cancels() == set()  # nothing to cancel: both finished
+            r.assert_all_released()
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("when", ["waiting for acceptance", "mid-stream"])
+def test_client_disconnect_cancels_every_unfinished_job(tmp_path: Path, when: str) -> None:
+    async def scenario() -> None:
+        async with rig(tmp_path) as r:
+            owner = r.open(n=2)
+            handler = asyncio.create_task(consume(owner))
+            mid_stream = when == "mid-stream"
+            generates = await r.peers["w0"].generates(2 if mid_stream else 1, accept=mid_stream)
+            if mid_stream:
+                await r.peers["w0"].send(wire.Step([output(generates[0].rid, "x", FinishReason.STOP)]))
+                await asyncio.sleep(0.1)
+            handler.cancel()  # what Quart does when the client goes away
+            with pytest.raises(asyncio.CancelledError):
+                await handler
+            expected = {generates[-1].rid}  # the finished choice needs no Cancel
+            assert await r.peers["w0"].cancels() == expected
+            assert owner.outcome == 499 and r.status() == 499
+            r.assert_all_released()
+
+    asyncio.run(scenario())
+
+
+def test_deadline_ends_the_stream_and_cancels(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with rig(tmp_path) as r:
+            owner = r.open(deadline_s=0.3)
+            handler = asyncio.create_task(consume(owner))
+            (generate,) = await r.peers["w0"].generates(1)
+            await r.peers["w0"].send(wire.Accepted(generate.rid, 3))
+            with pytest.raises(RequestTimeout):
+                await asyncio.wait_for(handler, 2)
+            assert await r.peers["w0"].cancels() == {generate.rid}
+            assert owner.outcome == 408
+            r.assert_all_released()
+
+    asyncio.run(scenario())
+
+
+def test_worker_death_ends_the_stream_with_worker_failed(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with rig(tmp_path) as r:
+            owner = r.open()
+            handler = asyncio.create_task(consume(owner))
+            (generate,) = await r.peers["w0"].generates(1)
+            await r.peers["w0"].send(wire.Accepted(generate.rid, 3))
+            await r.peers["w0"].send(wire.Step([output(generate.rid, "x")]))
+            await asyncio.sleep(0.05)
+            r.link.fail_worker("w0", WorkerFailed("the worker for model 'm' failed: killed by signal 9"))
+            with pytest.raises(WorkerFailed, match="killed by signal 9"):
+                await asyncio.wait_for(handler, 2)
+            assert owner.outcome == 503 and owner.choices[0].output.text == "x"
+            r.assert_all_released()
+
+    asyncio.run(scenario())
+
+
+def test_a_job_whose_replica_dies_before_accepting_moves_to_another(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with rig(tmp_path, ready=("w0", "w1")) as r:
+            owner = r.open()
+            handler = asyncio.create_task(consume(owner))
+            generates = []
+            for worker_id in ("w0", "w1"):  # least work first: w0, then (once w0 died) w1
+                try:
+                    (generate,) = await r.peers[worker_id].generates(1)
+                except asyncio.TimeoutError:
+                    continue
+                generates.append((worker_id, generate))
+                if worker_id == "w0":
+                    r.route.replicas[0].state = WorkerState.RESTARTING
+                    r.link.fail_worker("w0", WorkerFailed("w0 died"))
+            assert [w for w, _ in generates] == ["w0", "w1"]
+            _, moved = generates[1]
+            await r.peers["w1"].send(wire.Accepted(moved.rid, 3))
+            await r.peers["w1"].send(wire.Step([output(moved.rid, "ok", FinishReason.STOP)]))
+            events = await asyncio.wait_for(handler, 2)
+            assert [o.text for _, o in events] == ["ok"] and owner.outcome == 200
+            r.assert_all_released()
+
+    asyncio.run(scenario())
+
+
+def test_a_refused_job_is_an_http_error_before_any_stream(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with rig(tmp_path) as r:
+            owner = r.open(n=2)
+            handler = asyncio.create_task(consume(owner))
+            (generate,) = await r.peers["w0"].generates(1)  # choice 1 waits for choice 0's answer
+            await r.peers["w0"].send(
+                wire.Rejected(generate.rid, RejectCode.CONTEXT_LENGTH_EXCEEDED, "too long", "messages")
+            )
+            with pytest.raises(InvalidRequest) as refused:
+                await asyncio.wait_for(handler, 2)
+            assert refused.value.code == "context_length_exceeded" and refused.value.param == "messages"
+            assert owner.outcome == 400
+            assert await r.peers["w0"].cancels() == set()  # the second choice was never sent
+            r.assert_all_released()
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("who", ["worker drains past its grace", "gateway shuts down"])
+def test_shutdown_ends_streams_with_shutting_down(tmp_path: Path, who: str) -> None:
+    async def scenario() -> None:
+        async with rig(tmp_path) as r:
+            owner = r.open()
+            handler = asyncio.create_task(consume(owner))
+            (generate,) = await r.peers["w0"].generates(1)
+            await r.peers["w0"].send(wire.Accepted(generate.rid, 3))
+            await asyncio.sleep(0.05)
+            if who == "gateway shuts down":
+                r.service.abort_all(ServiceUnavailable("the server is shutting down", code="shutting_down"))
+            else:
+                reason = AbortReason.SHUTDOWN
+                await r.peers["w0"].send(
+                    wire.JobsAborted([generate.rid], reason, "the server is shutting down")
+                )
+            with pytest.raises(ServiceUnavailable) as ended:
+                await asyncio.wait_for(handler, 2)
+            assert ended.value.code == "shutting_down" and owner.outcome == 503
+            r.assert_all_released()
+
+    asyncio.run(scenario())
+
+
+def test_a_client_that_stops_reading_is_dropped_by_the_ticker(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with rig(tmp_path, stall_s=0.2) as r:
+            owner = r.open()
+
+            async def handler() -> None:  # admits, then never reads
+                try:
+                    await owner.admit()
+                    await asyncio.sleep(30)
+                finally:
+                    owner.close()
+
+            task = asyncio.create_task(handler())
+            (generate,) = await r.peers["w0"].generates(1)
+            await r.peers["w0"].send(wire.Accepted(generate.rid, 3))
+            await r.peers["w0"].send(wire.Step([output(generate.rid, "unread")]))
+            with pytest.raises(asyncio.CancelledError):
+                await asyncio.wait_for(task, 2)  # the connection is dropped
+            assert await r.peers["w0"].cancels() == {generate.rid}
+            assert owner.outcome == 503
+            r.assert_all_released()
+
+    asyncio.run(scenario())
+
+
+def test_frames_about_a_job_count_only_from_the_worker_that_holds_it(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with rig(tmp_path, ready=("w0",)) as r:
+            owner = r.open()
+            handler = asyncio.create_task(consume(owner))
+            (generate,) = await r.peers["w0"].generates(1)
+            await r.peers["w1"].send(wire.Accepted(generate.rid, 99))  # not w1's job: ignored
+            await r.peers["w0"].send(wire.Accepted(generate.rid, 3))
+            await r.peers["w1"].send(wire.Step([output(generate.rid, "forged", FinishReason.STOP)]))
+            await r.peers["w0"].send(wire.Step([output(generate.rid, "real", FinishReason.STOP)]))
+            events = await asyncio.wait_for(handler, 2)
+            assert [o.text for _, o in events] == ["real"]
+            assert owner.choices[0].output.prompt_tokens == 3
+            r.assert_all_released()
+
+    asyncio.run(scenario())
+
+
+def test_quiet_streams_get_keepalives_and_non_streams_do_not(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with rig(tmp_path, keepalive_s=0.1) as r:
+            for streaming in (True, False):
+                owner = r.open(streaming=streaming)
+                seen: list[Any] = []
+
+                async def handler(owner: RequestOwner = owner, seen: list[Any] = seen) -> None:
+                    try:
+                        await owner.admit()
+                        async for event in owner.events():
+                            seen.append(event)
+                    finally:
+                        owner.close()
+
+                task = asyncio.create_task(handler())
+                (generate,) = await r.peers["w0"].generates(1)
+                await r.peers["w0"].send(wire.Accepted(generate.rid, 3))
+                await asyncio.sleep(0.5)
+                await r.peers["w0"].send(wire.Step([output(generate.rid, "late", FinishReason.STOP)]))
+                await asyncio.wait_for(task, 2)
+                keepalives = sum(1 for e in seen if e is KEEPALIVE)
+                assert (keepalives >= 2) if streaming else (keepalives == 0), (streaming, seen)
+            r.assert_all_released()
+
+    asyncio.run(scenario())
+
+
+def test_errors_carry_the_openai_shape() -> None:
+    body = ServiceUnavailable("x", code="slow_reader").body()
+    assert body == {"error": {"message": "x", "type": "service_unavailable_error", "param": None,
+                              "code": "slow_reader"}}  # fmt: skip
+    assert isinstance(RequestTimeout("t"), APIError) and RequestTimeout.status == 408

@@ -1,0 +1,175 @@
+"""The router's policy: which replica takes a request, when a request waits, and when it is refused.
+
+Runs ModelRoute on real WorkerHandles in this process; no worker processes are needed for the policy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+
+from gateway.config.registry import ModelConfig, ModelLimits, Registry
+from gateway.errors import ModelNotFound, QueueFull, RequestTimeout, ServiceUnavailable
+from gateway.serving.router import ModelRoute, Router
+from gateway.workers.handle import WorkerHandle
+from wire.states import WorkerState
+
+S = WorkerState
+T = TypeVar("T")
+
+
+def run(coro: Awaitable[T]) -> T:
+    return asyncio.run(coro)  # type: ignore[arg-type]
+
+
+def model(**limits: Any) -> ModelConfig:
+    return ModelConfig(
+        name="m", engine="transformers", path=Path("x"), replicas=3, limits=ModelLimits(**limits)
+    )
+
+
+def replicas(config: ModelConfig, *states: WorkerState) -> list[WorkerHandle]:
+    handles = [WorkerHandle(f"m#0-r{i}", config, replica=i) for i in range(len(states))]
+    for handle, state in zip(handles, states, strict=True):
+        handle.state = state
+    return handles
+
+
+def route_of(*states: WorkerState, launched: list[WorkerHandle] | None = None, **limits: Any) -> ModelRoute:
+    config = model(**limits)
+    return ModelRoute(config, replicas(config, *states), (launched if launched is not None else []).append)
+
+
+def soon() -> float:
+    return time.monotonic() + 5
+
+
+def test_least_outstanding_work_wins_then_fewest_requests_then_lowest_replica() -> None:
+    route = route_of(S.READY, S.READY, S.READY)
+
+    async def scenario() -> list[str]:
+        picks = [await route.acquire(soon(), work=100)]  # all equal: the lowest replica
+        picks.append(await route.acquire(soon(), work=10))  # r1 and r2 have 0 outstanding: r1
+        picks.append(await route.acquire(soon(), work=50))  # r2 has 0
+        picks.append(await route.acquire(soon(), work=1))  # r1 holds the least (10)
+        route.release(picks[0], 100)
+        picks.append(await route.acquire(soon(), work=1))  # r0 is empty again
+        return [p.id for p in picks]
+
+    assert run(scenario()) == ["m#0-r0", "m#0-r1", "m#0-r2", "m#0-r1", "m#0-r0"]
+    r0, r1, r2 = route.replicas
+    assert (r0.outstanding_tokens, r1.outstanding_tokens, r2.outstanding_tokens) == (1, 11, 50)
+    assert (r0.in_flight, r1.in_flight, r2.in_flight) == (1, 2, 1)
+
+
+def test_only_ready_replicas_outside_avoid_with_a_free_slot_take_requests() -> None:
+    route = route_of(S.LOADING, S.READY, S.READY, max_concurrent_jobs=1)
+
+    async def scenario() -> list[str]:
+        first = await route.acquire(soon(), avoid=frozenset({"m#0-r1"}))
+        second = await route.acquire(soon())  # r2 is full (1 slot), r0 is loading: r1
+        return [first.id, second.id]
+
+    assert run(scenario()) == ["m#0-r2", "m#0-r1"]
+
+
+def test_a_full_model_queues_then_refuses_with_the_configured_status() -> None:
+    for status, error in ((429, QueueFull), (503, ServiceUnavailable)):
+        route = route_of(S.READY, max_concurrent_jobs=1, max_queued_requests=1, full_queue_status=status)
+
+        async def scenario(
+            route: ModelRoute = route, status: int = status, error: type[Exception] = error
+        ) -> tuple[str, float]:
+            holder = await route.acquire(soon())
+            waiter = asyncio.create_task(route.acquire(soon()))
+            await asyncio.sleep(0.01)
+            assert route.waiting == 1
+            started = time.monotonic()
+            with pytest.raises(error) as refused:  # the queue (1) is full: refused at once
+                await route.acquire(soon())
+            refused_after = time.monotonic() - started
+            assert refused.value.headers == {"Retry-After": "1"} and refused.value.status == status
+            route.release(holder)
+            taken = await asyncio.wait_for(waiter, 1)  # the waiter gets the freed slot
+            return taken.id, refused_after
+
+        taken, refused_after = run(scenario())
+        assert taken == "m#0-r0" and refused_after < 0.05 and route.waiting == 0
+
+
+def test_queued_prompt_tokens_are_bounded_too() -> None:
+    route = route_of(S.READY, max_concurrent_jobs=1, max_queued_prompt_tokens=100)
+
+    async def scenario() -> None:
+        await route.acquire(soon())
+        waiter = asyncio.create_task(route.acquire(soon(), prompt_size=80))
+        await asyncio.sleep(0.01)
+        with pytest.raises(QueueFull):
+            await route.acquire(soon(), prompt_size=30)  # 80 + 30 > 100
+        waiter.cancel()
+
+    run(scenario())
+    assert route.waiting == 0 and route.waiting_prompt_tokens == 0
+
+
+def test_waiting_ends_at_the_deadline() -> None:
+    route = route_of(S.READY, max_concurrent_jobs=1)
+
+    async def scenario() -> None:
+        await route.acquire(soon())
+        with pytest.raises(RequestTimeout):
+            await route.acquire(time.monotonic() + 0.05)
+
+    run(scenario())
+
+
+def test_a_model_that_cannot_serve_is_refused_at_once_with_its_reasons() -> None:
+    route = route_of(S.FAILED, S.LOST)
+    route.replicas[0].detail = "5 failed starts; last: exited with code 1"
+    with pytest.raises(ServiceUnavailable, match="5 failed starts") as refused:
+        run(route.acquire(soon()))
+    assert "is unavailable" in refused.value.message
+    assert not route.has_other_replica(frozenset())
+    assert route.state is S.LOST  # its best replica's state
+
+
+def test_unloaded_models_load_on_demand_or_say_how_to_load() -> None:
+    launched: list[WorkerHandle] = []
+    on_demand = ModelConfig(name="m", engine="transformers", path=Path("x"), load="on_demand")
+    route = ModelRoute(on_demand, replicas(on_demand, S.UNLOADED), launched.append)
+
+    async def scenario() -> None:
+        with pytest.raises(RequestTimeout):  # it waits for the load (here: never comes)
+            await route.acquire(time.monotonic() + 0.05)
+
+    run(scenario())
+    assert {h.id for h in launched} == {"m#0-r0"}  # asked to launch (the supervisor makes it idempotent)
+
+    manual = route_of(S.UNLOADED)
+    with pytest.raises(ServiceUnavailable, match="POST /admin/models/m/load"):
+        run(manual.acquire(soon()))
+
+
+def test_a_request_moves_only_to_a_replica_that_may_still_serve() -> None:
+    route = route_of(S.READY, S.RESTARTING, S.FAILED)
+    assert route.has_other_replica(frozenset({"m#0-r0"}))  # r1 comes back after its restart
+    assert not route.has_other_replica(frozenset({"m#0-r0", "m#0-r1"}))  # r2 gave up
+
+
+def test_router_names_aliases_and_deadlines() -> None:
+    config = ModelConfig(name="m", engine="transformers", path=Path("x"), aliases=["alias"],
+                         limits=ModelLimits(request_timeout_s=30))  # fmt: skip
+    router = Router(Registry(models=[config]), replicas(config, S.READY), lambda handle: None)
+    assert router.route("alias") is router.route("m")
+    with pytest.raises(ModelNotFound):
+        router.route("nope")
+    now = time.monotonic()
+    route = router.route("m")
+    assert 9 < router.deadline_for(route, 10) - now < 11  # a shorter request timeout is kept
+    assert 29 < router.deadline_for(route, 3600) - now < 31  # a longer one is capped by the model's
+    assert 29 < router.deadline_for(route, None) - now < 31
