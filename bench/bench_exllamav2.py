@@ -29,8 +29,8 @@ sys.path.insert(0, str(REPO_ROOT))
 
 import httpx  # noqa: E402
 
-from model_worker.engines.base import EngineSettings  # noqa: E402
 from model_worker.engines.exllamav2.engine import ExLlamaV2Engine  # noqa: E402
+from model_worker.engines.registry import create_engine  # noqa: E402
 from tests.gpu.support import gateway_env, stream_completion, write_registry  # noqa: E402
 from tests.harness import GatewayProcess  # noqa: E402
 
@@ -79,9 +79,12 @@ def summarize(name: str, path: str, rounds: list[list[Stream]]) -> dict[str, Any
 
 
 def load(model: str, args: argparse.Namespace, gpu_split: list[float] | None = None) -> ExLlamaV2Engine:
-    settings = EngineSettings(path=model, max_seq_len=args.max_seq_len, max_batch_size=args.concurrency,
-                              max_chunk_size=args.max_chunk_size, gpu_split=gpu_split)  # fmt: skip
-    engine = ExLlamaV2Engine(settings)
+    settings = {
+        "max_batch_size": args.concurrency,
+        "max_chunk_size": args.max_chunk_size,
+        "gpu_split": gpu_split,
+    }
+    engine: ExLlamaV2Engine = create_engine("exllamav2", model, args.max_seq_len, settings)
     engine.load(lambda detail, progress: None)
     raw_round(engine, 32, 1)  # the same two warm-up jobs the worker runs before it reports ready
     raw_round(engine, 32, 1)
@@ -135,8 +138,9 @@ def http_round(url: str, model: str, new_tokens: int, count: int) -> list[Stream
 
 
 def registry_entry(name: str, model: str, gpus: list[int], args: argparse.Namespace) -> dict[str, Any]:
+    settings = {"max_batch_size": args.concurrency, "max_chunk_size": args.max_chunk_size}
     return {"name": name, "engine": "exllamav2", "path": model, "gpus": gpus, "max_seq_len": args.max_seq_len,
-            "max_batch_size": args.concurrency, "max_chunk_size": args.max_chunk_size}  # fmt: skip
+            "engine_settings": settings}  # fmt: skip
 
 
 def run_gateway(args: argparse.Namespace, report: dict[str, Any]) -> None:

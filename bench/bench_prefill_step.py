@@ -16,9 +16,8 @@ import statistics
 import time
 from pathlib import Path
 
-from model_worker.engines.base import EngineSettings
-from model_worker.engines.exllamav2.engine import ExLlamaV2Engine
-from model_worker.protocol import SamplingParams
+from model_worker.engines.registry import create_engine
+from wire.params import SamplingParams
 
 
 def main() -> None:
@@ -28,14 +27,8 @@ def main() -> None:
     parser.add_argument("--max-chunk-size", type=int, default=2048)
     parser.add_argument("--out", default=None, help="write the figures as JSON here")
     args = parser.parse_args()
-    engine = ExLlamaV2Engine(
-        EngineSettings(
-            path=args.model,
-            max_seq_len=args.max_seq_len,
-            max_batch_size=1,
-            max_chunk_size=args.max_chunk_size,
-        )
-    )
+    settings = {"max_batch_size": 1, "max_chunk_size": args.max_chunk_size}
+    engine = create_engine("exllamav2", args.model, args.max_seq_len, settings)
     engine.load(lambda detail, progress: None)
     words = Path(__file__).read_text().split()
     prompt_ids: list[int] = []

@@ -18,9 +18,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from model_worker.engines.base import EngineSettings
 from model_worker.engines.exllamav2.engine import ExLlamaV2Engine
-from model_worker.protocol import SamplingParams
+from model_worker.engines.registry import create_engine
+from wire.params import SamplingParams
 
 PROMPT = "List the steps of making bread, then list them again in the same words. " * 8
 
@@ -31,15 +31,15 @@ def measure(engine: ExLlamaV2Engine, prompt_ids: list[int], tokens: int, repeats
         engine.submit(
             f"r{run}", prompt_ids, SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
         )
-        started, usage = time.perf_counter(), dict[str, Any]()
+        started, accepted_tokens = time.perf_counter(), 0
         while engine.has_work():
             for output in engine.step():
-                if output.finish_reason is not None:
-                    usage = output.usage or {}
+                if output.usage is not None:
+                    accepted_tokens = output.usage.accepted_draft_tokens
         elapsed = time.perf_counter() - started
         if run:
             rates.append(tokens / elapsed)
-            accepted.append(int(usage.get("accepted_draft_tokens", 0)) / tokens)
+            accepted.append(accepted_tokens / tokens)
     return {"tok_s": statistics.median(rates), "accepted_per_token": statistics.median(accepted)}
 
 
@@ -51,15 +51,15 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    modes: dict[str, dict[str, Any]] = {"plain": {}, "ngram": {"extra": {"ngram_draft": True}}}
+    modes: dict[str, dict[str, Any]] = {"plain": {}, "ngram": {"ngram_draft": True}}
     if args.draft:
         modes["draft model"] = {"draft_path": args.draft}
     rows = {}
     for name, extra in modes.items():
-        engine = ExLlamaV2Engine(EngineSettings(path=args.model, max_seq_len=4096, max_batch_size=1, **extra))
+        engine = create_engine("exllamav2", args.model, 4096, {"max_batch_size": 1, **extra})
         engine.load(lambda detail, progress: None)
         rows[name] = measure(engine, engine.encode(PROMPT, True), args.tokens, args.repeats)
-        device = engine.info().get("devices", [{}])[0].get("name", "?")
+        device = engine.info().devices[0].name
         engine.close()
     plain = rows["plain"]["tok_s"]
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%MZ")

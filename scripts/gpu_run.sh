@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # One GPU run: set up the GPU machine, run the GPU tests and the exllamav2 benchmark, summarize.
 #
-# Runs on the GPU machine (a lent H200, or any air-gapped CUDA host with Python 3.12 and torch),
-# from the repository root. Needs the carried folders that scripts/wheelhouse.sh fills here:
-#   .whl/                      cp312 wheels of what the GPU image lacks (exllamav2, pyzmq, quart, ...)
-#   .gpu/exllamav2_ext.so.xz   exllamav2 0.3.2's extension prebuilt for torch 2.11 / CUDA 13 / sm_90
+# Runs on a CUDA host with Python 3.12 and torch, which may be air-gapped, from the repository root.
+# Needs the folders that scripts/wheelhouse.sh fills on a machine with PyPI access:
+#   .whl/                      cp312 wheels of what the host lacks (exllamav2, pyzmq, quart, ...)
+#   .gpu/exllamav2_ext.so.xz   exllamav2's extension prebuilt for the host's torch/CUDA (optional)
 # Steps: install the wheels into /tmp/site (no index, no deps), put the extension and the repo on
 # PYTHONPATH (JIT-building the extension if the prebuilt one does not import), write the demo
 # models (tiny-gpu x2 and a Llama-3-8B shape) under /tmp/models, run `pytest -m gpu tests/gpu`

@@ -1,39 +1,43 @@
 #!/usr/bin/env bash
-# Build the wheelhouse for an air-gapped GPU server.
+# Build the wheelhouse for an air-gapped CUDA host.
 #
-# Runs on a machine that can reach PyPI (a developer box or CI), never on the GPU server itself.
-# It downloads cp312 manylinux x86_64 wheels of everything this project needs at run time that the
-# GPU image (Python 3.12, torch, transformers, tokenizers, safetensors, msgpack, pyyaml, jinja2,
-# httpx, uvloop, prometheus-client, pytest; see /work/.library/device/KINDS.md) does not have,
-# into ./.whl/ (git-ignored). Copy .whl/ to the server and install it there without an index:
+# Runs on a machine that can reach PyPI (a developer box or CI), never on the GPU host itself.
+# It downloads cp312 manylinux x86_64 wheels of everything this project needs at run time that a
+# typical CUDA image (Python 3.12 with torch, transformers, tokenizers, safetensors, msgpack,
+# pyyaml, jinja2, httpx, prometheus-client and pytest) lacks, into ./.whl/ (git-ignored). Copy
+# .whl/ to the host and install it there without an index:
 #
 #   python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl
 #   export PYTHONPATH=/tmp/site:$PYTHONPATH
 #
-# Every package is fetched with --no-deps and an exact version, because a resolver run for the
-# target platform would drag in torch (exllamav2 requires it) and blow the 64 MiB that a lent GPU
-# machine accepts. So the dependency closure is spelled out below; when a version changes, list its
-# new Requires-Dist with `unzip -p .whl/NAME-*.whl '*/METADATA' | grep ^Requires-Dist`.
-# exllamav2's own extras (fastparquet, websockets) are only used by its converter and its websocket
-# demo server, which this project never imports.
+# Every package is fetched with --no-deps and an exact version: a resolver run for the target
+# platform would drag in torch (exllamav2 requires it), gigabytes the host already has. So the
+# dependency closure is spelled out below; when a version changes, list its new Requires-Dist with
+# `unzip -p .whl/NAME-*.whl '*/METADATA' | grep ^Requires-Dist`. exllamav2's own extras
+# (fastparquet, websockets) are only used by its converter and its websocket demo server, which
+# this project never imports.
 #
 # Usage: scripts/wheelhouse.sh [DEST]      (DEST defaults to .whl in the repository root)
-# Also copies the prebuilt exllamav2 extension into .gpu/ when ../shared/gpu holds it, so that one
-# `carry: [".whl", ".gpu"]` takes everything a GPU run needs.
+# Environment:
+#   PREBUILT_DIR   a folder of CUDA builds made once for the host's torch/CUDA (exllamav2_ext-*.so.xz,
+#                  exllamav3_ext-*.so.xz, flash_attn-*.tar.xz): copied into .gpu/ so one copy of
+#                  .whl/ and .gpu/ is all a GPU run needs (scripts/gpu_run.sh uses them)
+#   MAX_MIB        fail when .whl/ and .gpu/ together exceed this many MiB (for hosts that cap what
+#                  a job may bring along)
 set -euo pipefail
 
 repo_root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 dest=${1:-"$repo_root/.whl"}
 python=${PYTHON:-python3}
 
-# One version of each: two versions of one name make the --no-deps install fail on the server.
+# One version of each: two versions of one name make the --no-deps install fail on the host.
 packages=(
-    # the GPU engine (pure Python; its CUDA extension is prebuilt or JIT-built on the server)
+    # the GPU engine (pure Python; its CUDA extension is prebuilt or JIT-built on the host)
     exllamav2==0.3.2
     # worker <-> gateway link
     pyzmq==27.3.0
-    # HTTP server: Quart on Hypercorn, and what they import
-    quart==0.22.0 flask==3.1.3 werkzeug==3.1.9 blinker==1.9.0 itsdangerous==2.2.0
+    # HTTP server: Quart on Hypercorn (request schemas and OpenAPI by quart-schema), and what they import
+    quart-schema==0.25.0 quart==0.22.0 flask==3.1.3 werkzeug==3.1.9 blinker==1.9.0 itsdangerous==2.2.0
     hypercorn==0.18.0 h11==0.16.0 h2==4.4.1 hpack==4.2.0 hyperframe==6.1.0 priority==2.0.0 wsproto==1.3.2
     # structured output in the worker (lm-format-enforcer also needs packaging and pyyaml: in the image)
     lm-format-enforcer==0.11.3 interegular==0.3.3
@@ -46,7 +50,7 @@ packages=(
 )
 
 mkdir -p "$dest"
-# The exact incantation from the device notes: pip matches each manylinux tag literally.
+# pip matches each manylinux tag literally, so every tag a wheel may carry is named.
 "$python" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64 \
@@ -59,10 +63,18 @@ for wheel in "$dest"/*.whl; do
     grep -qx "$stem" <<<"$wanted" || { echo "removing stale $(basename "$wheel")"; rm -f "$wheel"; }
 done
 
-ext_src="$repo_root/../shared/gpu/exllamav2_ext-0.3.2-torch2.11.0cu130-sm90.so.xz"
-if [[ -f "$ext_src" ]]; then
+if [[ -n "${PREBUILT_DIR:-}" ]]; then
     mkdir -p "$repo_root/.gpu"
-    cp -f "$ext_src" "$repo_root/.gpu/exllamav2_ext.so.xz"
+    for build in "$PREBUILT_DIR"/exllamav2_ext-*.so.xz "$PREBUILT_DIR"/exllamav3_ext-*.so.xz \
+                 "$PREBUILT_DIR"/flash_attn-*.tar.xz; do
+        [[ -f "$build" ]] || continue
+        name=$(basename "$build")
+        case $name in  # stable names, so gpu_run.sh finds them whatever the build's version tag
+            exllamav2_ext-*) cp -f "$build" "$repo_root/.gpu/exllamav2_ext.so.xz" ;;
+            exllamav3_ext-*) cp -f "$build" "$repo_root/.gpu/exllamav3_ext.so.xz" ;;
+            flash_attn-*) cp -f "$build" "$repo_root/.gpu/flash_attn.tar.xz" ;;
+        esac
+    done
 fi
 
 # Keep the carried folders out of git even in worktrees without our .gitignore.
@@ -79,6 +91,9 @@ size=$(du -sm "$dest" | cut -f1)
 echo "wheelhouse: $count wheels, ${size} MiB in $dest"
 if [[ -d "$repo_root/.gpu" ]]; then
     total=$(du -smc "$dest" "$repo_root/.gpu" | tail -1 | cut -f1)
-    echo "carried with .gpu: ${total} MiB (limit 64 MiB)"
-    ((total < 64)) || { echo "too large to carry" >&2; exit 1; }
+    echo "with .gpu/: ${total} MiB"
+    if [[ -n "${MAX_MIB:-}" ]] && ((total > MAX_MIB)); then
+        echo "more than MAX_MIB=${MAX_MIB} MiB" >&2
+        exit 1
+    fi
 fi

@@ -32,7 +32,7 @@ class EngineInfo:
     max_chunk_size: int
     vocab_size: int
     paged: bool
-    devices: list[DeviceInfo]
+    devices: list[DeviceInfo]  # the GPUs it runs on; empty on a CPU
     attention: str = ""
     cache_size: int = 0  # KV cache tokens; 0 when the engine has no shared cache
     cache_mode: str = ""

@@ -291,7 +291,7 @@ def test_info_and_medium_model(demo_model_dir_medium: Path) -> None:
         if torch.cuda.is_available():
             assert info.devices[0].name == torch.cuda.get_device_name(0)
         else:
-            assert [d.name for d in info.devices] == ["cpu"]
+            assert info.devices == []
         assert info.max_seq_len == MAX_SEQ_LEN and info.max_batch_size == 4
         assert info.vocab_size > 0 and info.engine_version
         result = _run(medium, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))

@@ -34,7 +34,7 @@ from model_worker.engines.validation import completion_budget
 from model_worker.text_stream import IncrementalDetokenizer, StopStringMatcher
 from wire.params import SamplingParams
 from wire.results import FinishReason, JobOutput, TokenLogprob, Usage
-from wire.stats import DeviceInfo, EngineInfo, EngineStats
+from wire.stats import EngineInfo, EngineStats
 
 logger = logging.getLogger(__name__)
 
@@ -153,7 +153,7 @@ class TransformersEngine:
         )
 
     def info(self) -> EngineInfo:
-        devices = cuda_devices() if self._device.type == "cuda" else [DeviceInfo(0, "cpu", "cpu")]
+        devices = cuda_devices() if self._device.type == "cuda" else []  # GPUs only; none on a CPU
         return EngineInfo(
             engine="transformers",
             engine_version=transformers.__version__,
