@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from gateway.config.registry import Registry
+from gateway.errors import ServiceUnavailable
 from gateway.observability.logging_setup import LoadProgressLog
 from gateway.serving.router import Router
 from gateway.serving.service import GenerationService
@@ -62,9 +63,13 @@ class Gateway:
         )
         return cls(registry, runtime_dir, link, supervisor, router, service)
 
-    async def apply_registry(self, new: Registry) -> dict[str, list[str]]:
+    async def apply_registry(self, new: Registry) -> dict[str, Any]:
         """Move the running set to `new`: start added models, drain and stop removed ones,
-        restart changed ones, leave unchanged ones untouched (their requests never notice)."""
+        restart changed ones, leave unchanged ones untouched (their requests never notice).
+
+        Requests waiting for a removed model end at once; requests running on a removed or changed
+        model's workers may finish within shutdown_grace_s, then end (each through its owner's
+        abort, with the reason). Requests waiting for a changed model wait for its new workers."""
         old = {m.name: m for m in self.registry.models}
         wanted = {m.name: m for m in new.models}
         if new.server != self.registry.server:
@@ -76,6 +81,9 @@ class Gateway:
         }
         changes["unchanged"] = sorted(old.keys() & wanted.keys() - set(changes["changed"]))
         grace = self.registry.server.shutdown_grace_s
+        ended = 0
+        for name in changes["removed"]:
+            ended += self.service.abort_queued(name, _removed(name))
         retiring = []
         for name in changes["removed"] + changes["changed"]:
             retiring += [h for h in self.supervisor.workers.values() if h.model.name == name]
@@ -88,16 +96,43 @@ class Gateway:
             handles = self.supervisor.add(wanted[name])
             self.router.set_route(wanted[name], handles)
             fresh.extend(handles)
+
         # Old workers leave first, so a changed model never holds its GPU twice; requests for it
         # wait in its queue meanwhile, as they do at startup.
-        await asyncio.gather(*(self.supervisor.retire(h, grace, WorkerState.STOPPED) for h in retiring))
+        def grace_over(handle: WorkerHandle) -> None:
+            nonlocal ended
+            name = handle.model.name
+            reason = _removed(name) if name in changes["removed"] else _reloading(name)
+            ended += self.service.abort_on_worker(handle.id, reason)
+
+        await asyncio.gather(
+            *(self.supervisor.retire(h, grace, WorkerState.STOPPED, grace_over) for h in retiring)
+        )
         for handle in retiring:
             self.supervisor.remove(handle)
         for handle in fresh:
             if handle.model.load == "startup":
                 self.supervisor.launch(handle)
-        logger.info("registry applied: %s", {k: v for k, v in changes.items() if k != "unchanged"})
-        return changes
+        applied = {k: v for k, v in changes.items() if k != "unchanged"}
+        logger.info("registry applied: %s; %d request(s) ended", applied, ended)
+        return {**changes, "requests_ended": ended}
+
+    async def unload(self, name: str) -> int:
+        """Drain and stop a model's workers (requests in flight may finish within the grace);
+        returns how many requests ended: those waiting for it at once, the rest after the grace."""
+        route = self.router.route(name)
+        error = ServiceUnavailable(f"model '{name}' was unloaded", code="model_unloaded")
+        ended = self.service.abort_queued(route.config.name, error)
+
+        def grace_over(handle: WorkerHandle) -> None:
+            nonlocal ended
+            ended += self.service.abort_on_worker(handle.id, error)
+
+        grace = self.registry.server.shutdown_grace_s
+        await asyncio.gather(
+            *(self.supervisor.retire(h, grace, grace_over=grace_over) for h in route.replicas)
+        )
+        return ended
 
     def model_card(self, name: str) -> dict[str, Any]:
         route = self.router.routes[name]
@@ -113,3 +148,11 @@ class Gateway:
             "context_length": config.max_seq_len,
             "state": route.state.value,
         }
+
+
+def _removed(name: str) -> ServiceUnavailable:
+    return ServiceUnavailable(f"model '{name}' was removed by a reload", code="model_removed")
+
+
+def _reloading(name: str) -> ServiceUnavailable:
+    return ServiceUnavailable(f"model '{name}' is reloading with new settings", code="model_reloading")

@@ -24,7 +24,7 @@ blueprint = Blueprint("admin", __name__)
 _reload_lock = asyncio.Lock()
 
 
-async def reload_registry(app: Quart) -> dict[str, list[str]]:
+async def reload_registry(app: Quart) -> dict[str, Any]:
     """Re-read the registry file the gateway started from and apply the difference."""
     gateway: Gateway = app.extensions["gateway"]
     source = gateway.registry.source
@@ -67,6 +67,5 @@ async def load_model(name: str) -> Any:
 async def unload_model(name: str) -> Any:
     gateway = current_gateway()
     handles = _handles(name)
-    grace = gateway.registry.server.shutdown_grace_s
-    await asyncio.gather(*(gateway.supervisor.retire(h, grace) for h in handles))
-    return jsonify({"model": name, "workers": [h.describe() for h in handles]})
+    ended = await gateway.unload(name)
+    return jsonify({"model": name, "requests_ended": ended, "workers": [h.describe() for h in handles]})

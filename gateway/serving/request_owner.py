@@ -13,7 +13,11 @@ stream early (vLLM's AsyncLLM keeps one per-request queue and one abort path the
 | worker dies or is lost      | the link, via the choice       | WorkerFailed (503)            |
 | worker aborts its jobs      | the link, via the choice       | ServiceUnavailable (503)      |
 | client stops reading        | the service's ticker           | ServiceUnavailable slow_reader|
-| gateway shutdown, reload    | the service (abort_all / model)| ServiceUnavailable (503)      |
+| gateway shutdown            | the service (abort_all)        | ServiceUnavailable (503)      |
+| reload or unload of a model | the service (queued, or after  | ServiceUnavailable (503)      |
+|                             | the drain grace)               |                               |
+
+An abort also ends an admission still waiting (for a slot, or for the worker's answer).
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from gateway.errors import (
     APIError,
@@ -36,6 +40,7 @@ from gateway.errors import (
     as_api_error,
 )
 from gateway.serving.outputs import ChoiceInput, ChoiceOutput, usage_totals
+from gateway.serving.router import AdmissionStopped
 from wire import messages as wire
 from wire.params import SamplingParams
 from wire.results import AbortReason, JobOutput, RejectCode
@@ -51,6 +56,7 @@ logger = logging.getLogger(__name__)
 # A client that stops reading must not grow our memory without bound: past this many undelivered
 # outputs the request is aborted.
 MAX_PENDING_OUTPUTS = 8192
+T = TypeVar("T")
 KEEPALIVE = object()  # queue item: nothing new, the stream should send an SSE comment
 
 
@@ -144,8 +150,11 @@ class RequestOwner:
         ]
         self.queue: asyncio.Queue[Any] = asyncio.Queue()
         self.outcome: int | None = None  # the request's final status, for metrics and logs
+        self.error: APIError | None = None  # what it was aborted with
+        self.admitted = False  # every choice was accepted by a worker
         self.ended = False  # the end (or an error) is on the queue
         self.closed = False
+        self._aborted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.last_activity = self.last_consumed = time.monotonic()
         self._unfinished = len(self.choices)
         self._deadline_timer: asyncio.TimerHandle | None = None
@@ -172,6 +181,7 @@ class RequestOwner:
             self.abort(as_api_error(exc))
             self.close()
             raise
+        self.admitted = True
         delay = max(self.deadline - time.monotonic(), 0.0)
         self._deadline_timer = asyncio.get_running_loop().call_later(delay, self._on_deadline)
 
@@ -181,7 +191,11 @@ class RequestOwner:
         choice.work = size + choice.params.max_tokens
         avoid: frozenset[str] = frozenset()
         while True:
-            replica = await route.acquire(self.deadline, size, choice.work, avoid)
+            try:
+                replica = await route.acquire(self.deadline, size, choice.work, avoid, stop=self._aborted)
+            except AdmissionStopped:
+                assert self.error is not None
+                raise self.error from None
             choice.replica, choice.worker_id, choice.finished = replica, replica.id, False
             choice.accepted = asyncio.get_running_loop().create_future()
             link.add_job(choice)
@@ -209,12 +223,14 @@ class RequestOwner:
 
     async def _wait_accepted(self, choice: Choice) -> Any:
         assert choice.accepted is not None
-        try:
-            return await asyncio.wait_for(
-                asyncio.shield(choice.accepted), max(self.deadline - time.monotonic(), 0.001)
-            )
-        except asyncio.TimeoutError:
-            raise RequestTimeout("the request timed out before the model accepted it") from None
+        timeout = max(self.deadline - time.monotonic(), 0.001)
+        waiting: set[asyncio.Future[Any]] = {choice.accepted, self._aborted}
+        await asyncio.wait(waiting, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        if self.error is not None:
+            raise self.error
+        if not choice.accepted.done():
+            raise RequestTimeout("the request timed out before the model accepted it")
+        return choice.accepted.result()
 
     # ---- outputs -------------------------------------------------------------------------------
 
@@ -272,6 +288,9 @@ class RequestOwner:
         if self.ended:
             return  # every job had finished; only the client's reading was left
         self.ended = True
+        self.error = error
+        if not self._aborted.done():
+            self._aborted.set_result(None)
         if self.outcome is None:
             self.outcome = error.status
         self.queue.put_nowait(_End(error))

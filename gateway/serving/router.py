@@ -12,7 +12,7 @@ import asyncio
 import math
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from gateway.config.registry import ModelConfig, Registry
 from gateway.errors import ModelNotFound, QueueFull, RequestTimeout, ServiceUnavailable
@@ -24,6 +24,10 @@ if TYPE_CHECKING:
 Launcher = Callable[["WorkerHandle"], None]
 
 
+class AdmissionStopped(Exception):
+    """The request gave up waiting for a slot (its owner aborted it); the owner says why."""
+
+
 class ModelRoute:
     def __init__(self, config: ModelConfig, replicas: list[WorkerHandle], launch: Launcher) -> None:
         self.config = config
@@ -31,7 +35,10 @@ class ModelRoute:
         self._launch = launch
         self.waiting = 0
         self.waiting_prompt_tokens = 0
-        self._changed = asyncio.Condition()
+        # One future per waiting request, resolved when anything changes. Not a Condition waited on
+        # through asyncio.wait_for: on Python 3.11 that can swallow the waiter's cancellation when a
+        # notify lands at the same moment, and the waiter would then sit out its whole deadline.
+        self._waiters: set[asyncio.Future[None]] = set()
 
     @property
     def state(self) -> WorkerState:
@@ -77,9 +84,15 @@ class ModelRoute:
         return None
 
     async def acquire(
-        self, deadline: float, prompt_size: int = 0, work: int = 0, avoid: frozenset[str] = frozenset()
+        self,
+        deadline: float,
+        prompt_size: int = 0,
+        work: int = 0,
+        avoid: frozenset[str] = frozenset(),
+        stop: asyncio.Future[Any] | None = None,
     ) -> WorkerHandle:
-        """Take a slot on a replica, waiting in the bounded queue until `deadline` (monotonic)."""
+        """Take a slot on a replica, waiting in the bounded queue until `deadline` (monotonic), or
+        until `stop` is done (the request was aborted): then AdmissionStopped."""
         replica = self._free_replica(avoid)
         if replica is None:
             reason = self._unservable_reason()
@@ -95,33 +108,38 @@ class ModelRoute:
                     f"model '{self.config.name}' is at capacity ({self.waiting} queued); retry later",
                     headers={"Retry-After": "1"},
                 )
-            replica = await self._wait_for_replica(deadline, prompt_size, avoid)
+            replica = await self._wait_for_replica(deadline, prompt_size, avoid, stop)
         replica.in_flight += 1
         replica.outstanding_tokens += work
         replica.last_used = time.monotonic()
         return replica
 
     async def _wait_for_replica(
-        self, deadline: float, prompt_size: int, avoid: frozenset[str]
+        self, deadline: float, prompt_size: int, avoid: frozenset[str], stop: asyncio.Future[Any] | None
     ) -> WorkerHandle:
         self.waiting += 1
         self.waiting_prompt_tokens += prompt_size
+        loop = asyncio.get_running_loop()
         try:
-            async with self._changed:
-                while True:
-                    replica = self._free_replica(avoid)
-                    if replica is not None:
-                        return replica
-                    reason = self._unservable_reason()
-                    if reason:
-                        raise ServiceUnavailable(reason)
-                    remaining = deadline - time.monotonic()
-                    if remaining <= 0:
-                        raise RequestTimeout("the request timed out while waiting for a free slot")
-                    try:
-                        await asyncio.wait_for(self._changed.wait(), remaining)
-                    except asyncio.TimeoutError:
-                        pass
+            while True:
+                if stop is not None and stop.done():
+                    raise AdmissionStopped()
+                replica = self._free_replica(avoid)
+                if replica is not None:
+                    return replica
+                reason = self._unservable_reason()
+                if reason:
+                    raise ServiceUnavailable(reason)
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise RequestTimeout("the request timed out while waiting for a free slot")
+                changed = loop.create_future()
+                self._waiters.add(changed)
+                waiting: set[asyncio.Future[Any]] = {changed} if stop is None else {changed, stop}
+                try:
+                    await asyncio.wait(waiting, timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    self._waiters.discard(changed)
         finally:
             self.waiting -= 1
             self.waiting_prompt_tokens -= prompt_size
@@ -133,11 +151,10 @@ class ModelRoute:
         self.notify()
 
     def notify(self) -> None:
-        asyncio.get_running_loop().create_task(self._notify_all())
-
-    async def _notify_all(self) -> None:
-        async with self._changed:
-            self._changed.notify_all()
+        """Something changed (a slot freed, a replica's state): every waiter looks again."""
+        for waiter in self._waiters:
+            if not waiter.done():
+                waiter.set_result(None)
 
 
 class Router:
@@ -185,10 +202,7 @@ class Router:
         if route is not None and worker.remote and worker not in route.replicas:
             route.replicas.append(worker)  # a remote worker joined
         if route is not None:
-            try:
-                route.notify()
-            except RuntimeError:  # no running loop (shutdown); nobody is waiting then
-                pass
+            route.notify()
 
     def deadline_for(self, route: ModelRoute, requested_timeout: float | None) -> float:
         timeout = requested_timeout or route.config.limits.request_timeout_s

@@ -64,9 +64,18 @@ class GenerationService:
         for owner in list(self.requests):
             owner.abort(error)
 
-    def abort_model(self, model: str, error: APIError) -> int:
-        """Abort every live request for `model`; returns how many there were."""
-        owners = [o for o in self.requests if o.route.config.name == model]
+    def abort_queued(self, model: str, error: APIError) -> int:
+        """Abort the requests for `model` that no worker has accepted yet; returns how many."""
+        owners = [o for o in self.requests if o.route.config.name == model and not o.admitted]
+        for owner in owners:
+            owner.abort(error)
+        return len(owners)
+
+    def abort_on_worker(self, worker_id: str, error: APIError) -> int:
+        """Abort the requests with an unfinished job on this worker; returns how many."""
+        owners = [
+            o for o in self.requests if any(c.worker_id == worker_id and not c.finished for c in o.choices)
+        ]
         for owner in owners:
             owner.abort(error)
         return len(owners)

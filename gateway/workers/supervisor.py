@@ -87,15 +87,22 @@ class Supervisor:
         handle.task = asyncio.create_task(self._keep_running(handle), name=f"supervise:{handle.id}")
 
     async def retire(
-        self, handle: WorkerHandle, grace_s: float, final_state: WorkerState = S.UNLOADED
+        self,
+        handle: WorkerHandle,
+        grace_s: float,
+        final_state: WorkerState = S.UNLOADED,
+        grace_over: Callable[[WorkerHandle], object] | None = None,
     ) -> None:
-        """Drain (requests in flight may finish within grace_s), stop the worker, free its GPU."""
+        """Drain (requests in flight may finish within grace_s), stop the worker, free its GPU.
+        `grace_over` ends what is still running then (the request owners' abort, with the reason)."""
         handle.retiring = True
         if handle.state in HOLDS_PROCESS:
             self.set_state(handle, S.DRAINING, "unloading")
         deadline = time.monotonic() + grace_s
         while handle.in_flight and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
+        if grace_over is not None:
+            grace_over(handle)
         if handle.process and handle.process.returncode is None:
             self.link.send(handle.id, wire.Shutdown(max(deadline - time.monotonic(), 0.0)))
             await self._reap(handle, max(deadline - time.monotonic(), 0.0) + 5.0)

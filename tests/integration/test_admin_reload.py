@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import signal
 import threading
 import time
@@ -154,3 +155,44 @@ def test_on_demand_model_loads_at_first_request_and_unloads_when_idle(
         wait_state(gateway, "lazy", "unloaded", timeout=15)  # idle for 2 s
         assert not pid_alive(pid)
         assert complete(gateway, "lazy").status_code == 200  # and back again
+
+
+def test_reload_ends_requests_of_a_removed_model_with_their_reason(
+    tmp_path: Path, demo_model_dir: Path
+) -> None:
+    """Queued requests for a removed model end at once; a running stream gets the drain's grace,
+    then an SSE error saying why (not a generic shutdown, and never a wait for the deadline)."""
+    config = tmp_path / "models.yaml"
+    slow = demo_entry("going", demo_model_dir, limits={"max_concurrent_jobs": 1, "max_queued_requests": 8})
+    write_registry(config, [demo_entry("keep", demo_model_dir), slow], shutdown_grace_s=1)
+    with GatewayProcess(config) as gateway:
+        events: list[str] = []
+
+        def stream() -> None:
+            body = {"model": "going", "prompt": "go", "max_tokens": 2000, "ignore_eos": True, "stream": True}
+            with httpx.stream("POST", gateway.url + "/v1/completions", json=body, timeout=60) as response:
+                events.extend(line for line in response.iter_lines() if line.startswith(("data:", "event:")))
+
+        runner = threading.Thread(target=stream)
+        runner.start()
+        deadline = time.monotonic() + 10
+        while not workers_of(gateway, "going")[0]["in_flight"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        queued: dict[str, object] = {}
+        waiter = threading.Thread(target=lambda: queued.update(reply=complete(gateway, "going")))
+        waiter.start()
+        time.sleep(0.3)  # the second request waits for the only slot
+        write_registry(config, [demo_entry("keep", demo_model_dir)], shutdown_grace_s=1)
+        started = time.monotonic()
+        reply = httpx.post(gateway.url + "/admin/reload", timeout=30)
+        assert reply.status_code == 200 and reply.json()["removed"] == ["going"]
+        assert reply.json()["requests_ended"] == 2
+        waiter.join(10)
+        assert "reply" in queued, gateway.log()[-6000:]
+        refused = queued["reply"]
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "model_removed"  # type: ignore[attr-defined]
+        runner.join(10)
+        assert time.monotonic() - started < 5  # the grace (1 s) and the worker's exit, not a deadline
+        assert events[-1] == "data: [DONE]" and events[-3] == "event: error"
+        assert json.loads(events[-2][6:])["error"]["code"] == "model_removed"
+        assert complete(gateway, "keep").status_code == 200

@@ -370,3 +370,34 @@ def test_errors_carry_the_openai_shape() -> None:
     assert body == {"error": {"message": "x", "type": "service_unavailable_error", "param": None,
                               "code": "slow_reader"}}  # fmt: skip
     assert isinstance(RequestTimeout("t"), APIError) and RequestTimeout.status == 408
+
+
+def test_an_abort_ends_an_admission_waiting_for_a_slot(tmp_path: Path) -> None:
+    """What a reload that removes a model, or an unload, does to requests still queued for it."""
+
+    async def scenario() -> None:
+        async with rig(tmp_path) as r:
+            r.route.config = r.route.config.model_copy(update={"limits": ModelLimits(max_concurrent_jobs=1)})
+            holder = r.open()
+            holding = asyncio.create_task(consume(holder))
+            (generate,) = await r.peers["w0"].generates(1, accept=True)
+            queued = r.open()
+            waiting = asyncio.create_task(consume(queued))
+            await asyncio.sleep(0.1)
+            assert r.route.waiting == 1 and not queued.admitted
+            removed = ServiceUnavailable("model 'm' was removed by a reload", code="model_removed")
+            assert r.service.abort_queued("m", removed) == 1  # the running request is not touched
+            with pytest.raises(ServiceUnavailable) as ended:
+                await asyncio.wait_for(waiting, 1)
+            assert ended.value.code == "model_removed" and queued.outcome == 503
+            assert r.route.waiting == 0
+            # The request that had its slot runs on, until the drain's grace is over.
+            assert not holding.done()
+            reloading = ServiceUnavailable("model 'm' is reloading with new settings", code="model_reloading")
+            assert r.service.abort_on_worker("w0", reloading) == 1
+            with pytest.raises(ServiceUnavailable, match="reloading"):
+                await asyncio.wait_for(holding, 1)
+            assert await r.peers["w0"].cancels() == {generate.rid}
+            r.assert_all_released()
+
+    asyncio.run(scenario())

@@ -15,7 +15,7 @@ import pytest
 
 from gateway.config.registry import ModelConfig, ModelLimits, Registry
 from gateway.errors import ModelNotFound, QueueFull, RequestTimeout, ServiceUnavailable
-from gateway.serving.router import ModelRoute, Router
+from gateway.serving.router import AdmissionStopped, ModelRoute, Router
 from gateway.workers.handle import WorkerHandle
 from wire.states import WorkerState
 
@@ -173,3 +173,28 @@ def test_router_names_aliases_and_deadlines() -> None:
     assert 9 < router.deadline_for(route, 10) - now < 11  # a shorter request timeout is kept
     assert 29 < router.deadline_for(route, 3600) - now < 31  # a longer one is capped by the model's
     assert 29 < router.deadline_for(route, None) - now < 31
+
+
+@pytest.mark.parametrize("how", ["stop future", "task cancelled"])
+def test_a_waiter_leaves_even_when_a_notify_lands_in_the_same_tick(how: str) -> None:
+    """On Python 3.11, asyncio.wait_for around Condition.wait() can swallow a cancellation that
+    coincides with a notify; the waiter then sat out its whole deadline. It must leave at once."""
+    route = route_of(S.READY, max_concurrent_jobs=1)
+
+    async def scenario() -> None:
+        await route.acquire(soon())
+        stop = asyncio.get_running_loop().create_future()
+        waiter = asyncio.create_task(route.acquire(time.monotonic() + 60, stop=stop))
+        await asyncio.sleep(0.01)
+        assert route.waiting == 1
+        route.notify()  # something changed, but the slot is still taken
+        if how == "stop future":
+            stop.set_result(None)
+        else:
+            waiter.cancel()
+        expected = AdmissionStopped if how == "stop future" else asyncio.CancelledError
+        with pytest.raises(expected):
+            await asyncio.wait_for(waiter, 1)
+        assert route.waiting == 0
+
+    run(scenario())
