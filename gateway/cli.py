@@ -71,15 +71,20 @@ def _cmd_make_demo_model(args: argparse.Namespace) -> int:
 
 
 def _cmd_keys(args: argparse.Namespace) -> int:
-    """CURVE key pairs for the gateway and for remote workers (ZeroMQ's certificate files)."""
+    """CURVE key pairs for the gateway and for remote workers (ZeroMQ's certificate files). A worker
+    key's public certificate names the models workers with it may serve (--models)."""
     import zmq.auth
 
     folder = Path(args.dir)
     folder.mkdir(parents=True, exist_ok=True)
+    from gateway.workers.remote_keys import set_models
+
     for name in args.name:
         if (folder / f"{name}.key_secret").exists():
             raise ConfigError(f"{folder / name}.key_secret exists; refusing to overwrite a key")
         public_file, secret_file = zmq.auth.create_certificates(str(folder), name)
+        if args.models:
+            set_models(Path(public_file), args.models)
         Path(secret_file).chmod(0o600)
         print(f"wrote {public_file} (public: share it) and {secret_file} (secret: keep it on its host)")
     return 0
@@ -108,6 +113,11 @@ def build_parser() -> argparse.ArgumentParser:
     keys = sub.add_parser("keys", help="generate CURVE key pairs for the gateway and remote workers")
     keys.add_argument("dir")
     keys.add_argument("--name", action="append", required=True, help="e.g. gateway, worker-a (repeatable)")
+    keys.add_argument(
+        "--models",
+        default=None,
+        help="worker keys: the remote models workers with this key may serve, comma-separated ('*': all)",
+    )
     keys.set_defaults(func=_cmd_keys)
     demo = sub.add_parser("make-demo-model", help="write a small random-weight model folder (offline)")
     demo.add_argument("dir")

@@ -45,7 +45,7 @@ class Gateway:
         link = WorkerLink(
             f"ipc://{runtime_dir / 'workers.sock'}",
             LoadProgressLog().wrap(
-                lambda worker_id, message, remote: supervisor_ref[0].on_message(worker_id, message, remote)
+                lambda worker_id, message, key: supervisor_ref[0].on_message(worker_id, message, key)
             ),
             registry.server.remote_workers,
         )

@@ -47,6 +47,7 @@ logger = logging.getLogger(__name__)
 MIN_KEY_LENGTH = 16
 ENV_INFERENCE_KEYS = "GATEWAY_API_KEYS"
 ENV_ADMIN_KEYS = "GATEWAY_ADMIN_KEYS"
+API_KEY_VARIABLES = frozenset({ENV_INFERENCE_KEYS, ENV_ADMIN_KEYS})
 
 
 # ---- the keys file ------------------------------------------------------------------------------

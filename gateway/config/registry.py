@@ -123,7 +123,22 @@ class RemoteWorkersConfig(_Strict):
 
     bind: str = Field(..., pattern=r"^tcp://", description="e.g. tcp://0.0.0.0:5555")
     secret_key_file: Path = Field(..., description="The gateway's CURVE secret key (`gateway keys`).")
-    authorized_keys_dir: Path = Field(..., description="Public keys of the workers allowed to connect.")
+    authorized_keys_dir: Path = Field(
+        ...,
+        description="Public keys of the workers allowed to connect, each naming the models it may serve "
+        "(`gateway keys DIR --name NAME --models A,B`); re-read when it changes.",
+    )
+    handshake_timeout_s: float = Field(
+        5.0, gt=0, description="A connection without a finished CURVE handshake by then is dropped."
+    )
+    max_connections: int = Field(
+        256, ge=1, description="Open tcp connections at most; beyond it the listener stops accepting."
+    )
+    max_workers: int = Field(64, ge=1, description="Remote workers known at once, in all.")
+    max_workers_per_key: int = Field(8, ge=1, description="Remote workers known at once with one key.")
+    forget_lost_after_s: float = Field(
+        600.0, gt=0, description="A remote worker lost for this long is forgotten (its entry removed)."
+    )
 
 
 class ServerConfig(_Strict):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import re
+import time
 import uuid
 from collections.abc import Callable
 from contextvars import ContextVar
@@ -121,3 +122,35 @@ class LoadProgressLog:
             callback(worker_id, message, *more)
 
         return observed
+
+
+class RateLimitedLog:
+    """Logs each kind of line at most once per `every_s`, then how many were held back.
+
+    For lines an outsider can trigger at will (refused frames, failed accepts): an attack must not
+    turn into a flood of log lines, yet each kind stays visible.
+    """
+
+    def __init__(self, target: logging.Logger, every_s: float = 10.0) -> None:
+        self.target = target
+        self.every_s = every_s
+        self._last: dict[str, float] = {}
+        self._held: dict[str, int] = {}
+
+    def warning(self, message: str, *args: Any) -> None:
+        self.log(logging.WARNING, message, *args)
+
+    def log(self, level: int, message: str, *args: Any) -> None:
+        # Lines differing in their first argument (the key or the peer) are limited separately, so
+        # each offender is still named, while one offender cannot flood the log.
+        kind = f"{message}\x00{args[0] if args else ''}"
+        now = time.monotonic()
+        if len(self._last) > 4096:
+            self._last.clear()
+        if now - self._last.get(kind, -self.every_s) < self.every_s:
+            self._held[kind] = self._held.get(kind, 0) + 1
+            return
+        self._last[kind] = now
+        held = self._held.pop(kind, 0)
+        suffix = f" ({held} more like this in the last {self.every_s:g}s)" if held else ""
+        self.target.log(level, message + suffix, *args)

@@ -199,8 +199,11 @@ class Router:
 
     def on_worker_state(self, worker: WorkerHandle) -> None:
         route = self.routes.get(worker.model.name)
-        if route is not None and worker.remote and worker not in route.replicas:
-            route.replicas.append(worker)  # a remote worker joined
+        if route is not None and worker.remote:
+            if worker.state is WorkerState.STOPPED and worker in route.replicas:
+                route.replicas.remove(worker)  # a remote worker forgotten
+            elif worker.state is not WorkerState.STOPPED and worker not in route.replicas:
+                route.replicas.append(worker)  # a remote worker joined
         if route is not None:
             route.notify()
 

@@ -6,6 +6,11 @@ worker frame once, and the tables that route a frame to whoever waits for it: en
 the `JobReceiver` of one choice of one request) and one-shot exchanges (tokenize, detokenize).
 Lifecycle frames (Hello, Status, Ready, Heartbeat, Fatal) go to the supervisor through a callback.
 The link never ends a request itself: it hands each event to the request's owner.
+
+Identities are bound to where they belong: a local worker's id is accepted only on the ipc
+socket (the supervisor registers it before spawning), and a remote worker's id only over tcp, from
+the CURVE key it joined with, while that key is still authorized. A frame about a job counts only
+from the worker that holds the job. Every refusal is logged (rate-limited) with the key's name.
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ import zmq.asyncio
 
 from gateway.config.registry import ConfigError, RemoteWorkersConfig
 from gateway.errors import APIError
+from gateway.observability.logging_setup import RateLimitedLog
+from gateway.workers.remote_keys import AuthorizedKeys, WorkerKey, key_label
 from wire import messages as wire
 from wire.codec import MAX_SOCKET_MESSAGE_BYTES, ProtocolError
 from wire.results import JobOutput
@@ -69,8 +76,8 @@ def check_remote_keys(remote: RemoteWorkersConfig) -> tuple[bytes, bytes, list[P
     return public, secret, authorized
 
 
-# (worker id, message, whether it came over the remote tcp listener)
-LifecycleCallback = Callable[[str, wire.Message, bool], None]
+# (worker id, message, the CURVE key of a remote worker's frame, or None for the local socket)
+LifecycleCallback = Callable[[str, wire.Message, "WorkerKey | None"], None]
 
 
 class WorkerLink:
@@ -84,8 +91,10 @@ class WorkerLink:
         self._sock = self._router_socket()
         self._remote_sock: zmq.asyncio.Socket | None = None
         self._authenticator: Any = None
-        # Which socket reaches each worker: replies go back the way the worker came in.
-        self._socket_of: dict[str, zmq.asyncio.Socket] = {}
+        self.keys: AuthorizedKeys | None = None
+        self._local_ids: set[str] = set()  # registered by the supervisor before each spawn
+        self._remote_keys: dict[str, str] = {}  # remote worker id -> the public key it joined with
+        self._refusals = RateLimitedLog(logger, every_s=10.0)
         self._jobs: dict[str, JobReceiver] = {}
         self._exchanges: dict[str, _Exchange] = {}
         # When each worker last sent anything: any frame proves it alive, not only heartbeats.
@@ -124,11 +133,14 @@ class WorkerLink:
         from zmq.auth.asyncio import AsyncioAuthenticator
 
         public, secret, authorized = check_remote_keys(remote)
+        self.keys = AuthorizedKeys(remote.authorized_keys_dir)
         self._authenticator = AsyncioAuthenticator(self._ctx)
         self._authenticator.start()
-        # ZAP checks each connecting worker's key against the files in this folder.
-        self._authenticator.configure_curve(domain="*", location=str(remote.authorized_keys_dir))
+        # ZAP asks at each handshake whether the key is in the folder now (re-read when it changes).
+        self._authenticator.configure_curve_callback(domain="*", credentials_provider=self.keys)
         sock = self._router_socket()
+        # A connection that has not finished its handshake by then is dropped: no key, no stay.
+        sock.setsockopt(zmq.HANDSHAKE_IVL, int(remote.handshake_timeout_s * 1000))
         sock.curve_secretkey = secret
         sock.curve_publickey = public
         sock.curve_server = True
@@ -149,11 +161,59 @@ class WorkerLink:
 
     # ---- sending -----------------------------------------------------------------------------
 
+    # ---- identities ----------------------------------------------------------------------------
+
+    def expect_local(self, worker_id: str) -> None:
+        """A worker the supervisor spawns: its id is accepted on the ipc socket only."""
+        self._local_ids.add(worker_id)
+        self.last_seen[worker_id] = time.monotonic()
+
+    def bind_remote(self, worker_id: str, key: WorkerKey) -> None:
+        """A remote worker joined with this key: its id is accepted only over tcp, with this key."""
+        self._remote_keys[worker_id] = key.public_z85
+        self.last_seen[worker_id] = time.monotonic()
+
+    def forget(self, worker_id: str) -> None:
+        self._local_ids.discard(worker_id)
+        self._remote_keys.pop(worker_id, None)
+        self.last_seen.pop(worker_id, None)
+        self.last_progress.pop(worker_id, None)
+
+    def _admit(self, worker_id: str, remote: bool, public_z85: str | None) -> tuple[bool, WorkerKey | None]:
+        """Whether the frame may be handled, and (over tcp) the key it came with."""
+        if not remote:
+            if worker_id in self._local_ids:
+                self.last_seen[worker_id] = time.monotonic()
+                return True, None
+            self._refusals.warning("frame from unknown local worker %r dropped", worker_id)
+            return False, None
+        key = self.keys.lookup(public_z85) if self.keys is not None else None
+        if key is None:
+            self._refusals.warning("frame over tcp refused: %s is not authorized", key_label(public_z85))
+            return False, None
+        if worker_id in self._local_ids:
+            self._refusals.warning("key %r claimed the id of local worker %r; refused", key.name, worker_id)
+            return False, key
+        bound = self._remote_keys.get(worker_id)
+        if bound is not None and bound != key.public_z85:
+            self._refusals.warning(
+                "key %r claimed remote worker %r of another key; refused", key.name, worker_id
+            )
+            return False, key
+        if bound is not None:  # an unbound id is only trusted once membership lets it join
+            self.last_seen[worker_id] = time.monotonic()
+        return True, key
+
+    # ---- sending -----------------------------------------------------------------------------
+
     def send(self, worker_id: str, message: wire.Message) -> bool:
         if isinstance(message, wire.Generate):
             self.last_progress[worker_id] = time.monotonic()
         try:
-            sock = self._socket_of.get(worker_id, self._sock)
+            # Local ids live on the ipc socket only; anything else can only be a remote worker.
+            local = worker_id in self._local_ids or self._remote_sock is None
+            sock = self._sock if local else self._remote_sock
+            assert sock is not None
             sock.send_multipart([worker_id.encode(), wire.encode(message)], zmq.NOBLOCK)
             return True
         except zmq.ZMQError as exc:  # EHOSTUNREACH (worker gone) or EAGAIN (worker not reading)
@@ -198,28 +258,31 @@ class WorkerLink:
     async def _read_forever(self, sock: zmq.asyncio.Socket, remote: bool) -> None:
         while True:
             try:
-                frames = await sock.recv_multipart()
+                # Remote frames are read as Frame objects for their User-Id: the sender's CURVE key.
+                frames = await sock.recv_multipart(copy=not remote)
             except zmq.ZMQError as exc:
                 logger.error("worker socket receive failed: %s", exc)
                 await asyncio.sleep(0.1)
                 continue
             if len(frames) != 2:
-                logger.warning("dropped a message of %d frames", len(frames))
+                self._refusals.warning("dropped a message of %d frames", len(frames))
                 continue
-            worker_id = frames[0].decode(errors="replace")
-            self.last_seen[worker_id] = time.monotonic()
-            self._socket_of[worker_id] = sock
+            identity, payload, public_z85 = _unpack(frames)
+            worker_id = identity.decode(errors="replace")
+            admitted, key = self._admit(worker_id, remote, public_z85)
+            if not admitted:
+                continue
             try:
-                message = wire.decode(frames[1])
+                message = wire.decode(payload)
             except ProtocolError as exc:
-                logger.warning("dropped a bad frame from worker %s: %s", worker_id, exc)
+                self._refusals.warning("dropped a bad frame from worker %s: %s", worker_id, exc)
                 continue
             handler = self._dispatch.get(type(message))
             try:
                 if handler is not None:
                     handler(worker_id, message)
                 else:
-                    self._on_lifecycle(worker_id, message, remote)
+                    self._on_lifecycle(worker_id, message, key)
             except Exception:  # one bad message must not stop the reader for every request
                 logger.exception("error handling %s from worker %s", type(message).__name__, worker_id)
 
@@ -247,3 +310,13 @@ class WorkerLink:
             job = self._jobs.get(rid)
             if job is not None and job.worker_id == worker_id:
                 job.on_aborted(message)
+
+
+def _unpack(frames: list[Any]) -> tuple[bytes, bytes, str | None]:
+    """(identity, payload, the sender's CURVE key) of a ROUTER message; Frame objects (tcp) carry the
+    key ZAP authenticated as their User-Id, plain bytes (ipc) carry none."""
+    identity, payload = frames
+    if isinstance(payload, zmq.Frame):
+        user_id = payload.get("User-Id")
+        return identity.bytes, payload.bytes, user_id if isinstance(user_id, str) else None
+    return bytes(identity), bytes(payload), None

@@ -50,6 +50,7 @@ class WorkerHandle:
     task: asyncio.Task[None] | None = None
     retiring: bool = False  # being unloaded or replaced: no restart when it exits
     remote: bool = False  # a worker on another host: joined over tcp, never spawned by us
+    key_name: str | None = None  # a remote worker's CURVE key (its certificate's name)
     stale_rids: list[str] = field(default_factory=list)  # ended while it was lost: cancel on rejoin
 
     @property
@@ -93,6 +94,7 @@ class WorkerHandle:
             "tokens_per_s": round(self.tokens_per_s, 1),
             "restarts": self.restarts,
             "remote": self.remote,
+            "key": self.key_name,
             "last_error": self.last_error,
             "uptime_s": round(now - self.ready_at, 1) if self.ready_at and self.ready else None,
             "info": dataclasses.asdict(self.info) if self.info is not None else {},

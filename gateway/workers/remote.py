@@ -1,10 +1,13 @@
 """Workers on other hosts: joining over the CURVE tcp listener, losing contact, and rejoining.
 
 Runs in the gateway process, on its asyncio loop, as part of the supervisor. Owns the membership of
-remote workers: a worker whose id is `MODEL@SOMETHING` and whose key the listener authorized joins
-with a Hello; when no frame arrives for `heartbeat_timeout_s` it is `lost` (unready; its requests end
-with a clear error and are never re-sent); when frames arrive again it rejoins, and the jobs it
-still holds for those ended requests are cancelled, so no request runs twice.
+remote workers: a worker whose id is `MODEL@SOMETHING` joins with a Hello when its CURVE key is
+authorized and names MODEL among the models it may serve; its id is then bound to that key (the
+link refuses the id from any other key or socket). Membership is bounded: at most `max_workers` in
+all and `max_workers_per_key` per key, and a worker lost for `forget_lost_after_s` is forgotten.
+When no frame arrives for `heartbeat_timeout_s` a worker is `lost` (unready; its requests end with a
+clear error and are never re-sent); when frames arrive again it rejoins, and the jobs it still holds
+for those ended requests are cancelled, so no request runs twice.
 """
 
 from __future__ import annotations
@@ -14,7 +17,9 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
+from gateway.observability.logging_setup import RateLimitedLog
 from gateway.workers.handle import WorkerHandle
+from gateway.workers.remote_keys import WorkerKey
 from wire import messages as wire
 from wire.states import WorkerState
 
@@ -25,37 +30,58 @@ S = WorkerState
 
 logger = logging.getLogger(__name__)
 REINTRODUCE_EVERY_S = 5.0
+MAX_ASKED = 1024  # ids asked to reintroduce themselves, remembered (then the oldest are dropped)
 
 
 class RemoteMembers:
     def __init__(self, supervisor: Supervisor) -> None:
         self.supervisor = supervisor
         self._asked: dict[str, float] = {}
+        self._refusals = RateLimitedLog(logger, every_s=10.0)
 
-    def on_unknown(self, worker_id: str, message: wire.Message) -> None:
+    def on_unknown(self, worker_id: str, message: wire.Message, key: WorkerKey) -> None:
         """A frame over tcp from a worker we do not know: a new worker, or one that outlived us."""
         if isinstance(message, wire.Hello):
-            self.join(worker_id, message)
+            self.join(worker_id, message, key)
             return
         now = time.monotonic()
         if now - self._asked.get(worker_id, 0.0) >= REINTRODUCE_EVERY_S:
             # The gateway restarted while this worker kept running: ask it to introduce itself.
+            if len(self._asked) >= MAX_ASKED:
+                self._asked = dict(sorted(self._asked.items(), key=lambda item: item[1])[MAX_ASKED // 2 :])
             self._asked[worker_id] = now
             self.supervisor.link.send(worker_id, wire.Reintroduce())
 
-    def join(self, worker_id: str, hello: wire.Hello) -> WorkerHandle | None:
+    def _refuse(self, worker_id: str, key: WorkerKey, reason: str) -> None:
+        # Limited per key: a key may flood Hellos, but not the log.
+        self._refusals.warning("key %r: remote worker %r refused: %s", key.name, worker_id, reason)
+        self.supervisor.link.send(worker_id, wire.Shutdown(0.0))
+
+    def join(self, worker_id: str, hello: wire.Hello, key: WorkerKey) -> WorkerHandle | None:
         supervisor = self.supervisor
+        remote = supervisor.registry.server.remote_workers
         model = supervisor.registry.model(worker_id.split("@", 1)[0])
         if model is None or not model.remote or "@" not in worker_id:
-            logger.warning("worker %s refused: its id must be MODEL@NAME for a remote model", worker_id)
-            supervisor.link.send(worker_id, wire.Shutdown(0.0))
+            self._refuse(worker_id, key, "its id must be MODEL@NAME for a remote model")
+            return None
+        if not key.allows(model.name):
+            self._refuse(worker_id, key, f"the key may not serve model {model.name!r}")
             return None
         if hello.version != wire.PROTOCOL_VERSION:
-            logger.error(
-                "worker %s refused: protocol %s != %s", worker_id, hello.version, wire.PROTOCOL_VERSION
+            self._refuse(worker_id, key, f"protocol {hello.version} != {wire.PROTOCOL_VERSION}")
+            return None
+        members = [h for h in supervisor.workers.values() if h.remote]
+        if remote is not None and len(members) >= remote.max_workers:
+            self._refuse(worker_id, key, f"max_workers={remote.max_workers} remote workers are known already")
+            return None
+        same_key = sum(1 for h in members if h.key_name == key.name)
+        if remote is not None and same_key >= remote.max_workers_per_key:
+            self._refuse(
+                worker_id, key, f"max_workers_per_key={remote.max_workers_per_key} already use this key"
             )
             return None
-        handle = WorkerHandle(id=worker_id, model=model, remote=True, pid=hello.pid)
+        handle = WorkerHandle(id=worker_id, model=model, remote=True, pid=hello.pid, key_name=key.name)
+        supervisor.link.bind_remote(worker_id, key)
         handle.spawned_at = time.monotonic()
         supervisor.workers[worker_id] = handle
         supervisor.set_state(handle, S.STARTING, f"remote worker joined (pid {hello.pid})")
@@ -76,6 +102,11 @@ class RemoteMembers:
         while True:
             await asyncio.sleep(min(server.heartbeat_interval_s, 0.5))
             silent_s = time.monotonic() - link.last_seen.get(handle.id, 0.0)
+            remote = server.remote_workers
+            if handle.state is S.LOST and remote is not None and silent_s > remote.forget_lost_after_s:
+                logger.info("remote worker %s lost for %.0fs; forgetting it", handle.id, silent_s)
+                self.supervisor.forget_remote(handle)
+                return
             # Loading blocks the worker's only thread (no heartbeats), so it gets the start deadline.
             starting = handle.state in (S.STARTING, S.LOADING, S.WARMING)
             limit = server.worker_start_timeout_s if starting else server.heartbeat_timeout_s

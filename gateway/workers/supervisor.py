@@ -18,11 +18,13 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict
 
+from gateway.config.api_keys import API_KEY_VARIABLES
 from gateway.config.registry import ModelConfig, Registry, worker_spec
 from gateway.errors import WorkerFailed
 from gateway.serving.worker_link import WorkerLink
 from gateway.workers.handle import WorkerHandle
 from gateway.workers.remote import RemoteMembers
+from gateway.workers.remote_keys import WorkerKey
 from wire import messages as wire
 from wire.states import HOLDS_PROCESS, WorkerState
 
@@ -69,6 +71,7 @@ class Supervisor:
             if model.load == "on_demand":
                 handle.state, handle.detail = S.UNLOADED, "loads at its first request"
             self.workers[handle.id] = handle
+            self.link.expect_local(handle.id)
             handles.append(handle)
         return handles
 
@@ -115,6 +118,12 @@ class Supervisor:
 
     def remove(self, handle: WorkerHandle) -> None:
         self.workers.pop(handle.id, None)
+        self.link.forget(handle.id)
+
+    def forget_remote(self, handle: WorkerHandle) -> None:
+        """A remote worker gone for good: its entry, its binding and its route replica go."""
+        self.set_state(handle, S.STOPPED, "forgotten after being lost")
+        self.remove(handle)
 
     async def stop(self, grace_s: float) -> None:
         self._stopping = True
@@ -152,17 +161,20 @@ class Supervisor:
             if handle.state in (S.READY, S.STARTING, S.LOADING, S.WARMING):
                 self.set_state(handle, S.DRAINING, "shutting down")
 
-    def on_message(self, worker_id: str, message: wire.Message, remote: bool = False) -> None:
+    def on_message(self, worker_id: str, message: wire.Message, key: WorkerKey | None = None) -> None:
+        """A lifecycle frame; `key` is the CURVE key of a frame that came over tcp (the link has
+        checked that a local id never arrives over tcp, nor a remote id from another key)."""
         handle = self.workers.get(worker_id)
-        if handle is not None and handle.remote != remote:
+        if handle is not None and handle.remote != (key is not None):
             logger.warning("frame for worker %s on the wrong socket dropped", worker_id)
             return
         if handle is None:
-            if remote:
-                self.remote.on_unknown(worker_id, message)
+            if key is not None:
+                self.remote.on_unknown(worker_id, message, key)
             else:
                 logger.warning("frame from unknown worker %s dropped", worker_id)
             return
+        remote = key is not None
         if remote and isinstance(message, wire.Hello):
             self.remote.rejoin(handle, message)
             return
@@ -227,7 +239,8 @@ class Supervisor:
 
     async def _spawn(self, handle: WorkerHandle) -> None:
         model = handle.model
-        env = dict(os.environ)
+        # Workers never see API keys: a worker holds a model, not the gateway's credentials.
+        env = {k: v for k, v in os.environ.items() if k not in API_KEY_VARIABLES}
         # CPU workers see no GPU at all; GPU workers see only theirs, renumbered from 0.
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in handle.gpus)
         env.setdefault("PYTHONUNBUFFERED", "1")

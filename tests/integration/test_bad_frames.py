@@ -124,5 +124,6 @@ def test_gateway_drops_bad_frames_from_rogue_peers(tmp_path: Path, demo_model_di
         )
         assert reply.status_code == 200, reply.text
         log = gateway.log()
-        assert log.count("dropped a bad frame from worker rogue") >= 5
-        assert "frame from unknown worker rogue dropped" in log
+        # An id the supervisor did not spawn is refused before its frames are even decoded, and the
+        # refusal is logged once per interval, not once per frame.
+        assert log.count("frame from unknown local worker 'rogue' dropped") == 1

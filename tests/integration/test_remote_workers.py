@@ -46,6 +46,8 @@ class Setup:
                 "good",
                 "--name",
                 "bad",
+                "--models",
+                "far",
             ],
             check=True,
             cwd=REPO_ROOT,

@@ -71,7 +71,19 @@ def test_link_cut_and_restored(namespace: tuple[str, str, str], tmp_path: Path, 
     netns, host_end, gateway_ip = namespace
     keys, authorized = tmp_path / "keys", tmp_path / "authorized"
     subprocess.run(
-        [sys.executable, "-m", "gateway", "keys", str(keys), "--name", "gateway", "--name", "worker"],
+        [
+            sys.executable,
+            "-m",
+            "gateway",
+            "keys",
+            str(keys),
+            "--name",
+            "gateway",
+            "--name",
+            "worker",
+            "--models",
+            "*",
+        ],
         check=True,
         cwd=REPO_ROOT,
         capture_output=True,
