@@ -4,7 +4,9 @@ Runs in the gateway process, on its asyncio loop, as part of the supervisor. Own
 remote workers: a worker whose id is `MODEL@SOMETHING` and whose key the listener authorized joins
 with a Hello; when no frame arrives for `heartbeat_timeout_s` it is `lost` (unready; its requests end
 with a clear error and are never re-sent); when frames arrive again it rejoins, and the jobs it
-still holds for those ended requests are cancelled, so no request runs twice.
+still holds for those ended requests are cancelled, so no request runs twice. A worker that exits
+on purpose (SIGTERM) says so in its last frame (Status `stopped`): it is `lost` at once, and nothing
+waits for the heartbeat timeout.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
+from gateway.observability.logging_setup import bind_worker_log_context
 from gateway.workers.handle import WorkerHandle
 from wire import messages as wire
 from wire.states import WorkerState
@@ -70,7 +73,22 @@ class RemoteMembers:
         handle.stale_rids.clear()
         self.supervisor.set_state(handle, S.STARTING, "remote worker restarted")
 
+    def departed(self, handle: WorkerHandle, detail: str) -> None:
+        """The worker's last frame before it exits: its requests end now, and it is lost until it
+        (or a new process under its id) says Hello again."""
+        if handle.state is S.LOST:
+            return
+        reason = f"remote worker {handle.id} exited ({detail or 'stopped'})"
+        self.supervisor.fail_requests(handle, reason)
+        handle.last_error = reason
+        handle.stale_rids = []
+        # The goodbye itself is a frame: forget it, or the watch would take the worker for back.
+        self.supervisor.link.last_seen.pop(handle.id, None)
+        self.supervisor.set_state(handle, S.LOST, reason)
+        logger.info("remote worker %s left: %s", handle.id, detail)
+
     async def _watch(self, handle: WorkerHandle) -> None:
+        bind_worker_log_context(handle.id, handle.model.name)
         server = self.supervisor.registry.server
         link = self.supervisor.link
         while True:
