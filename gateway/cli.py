@@ -186,7 +186,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve":
         # Workers inherit the environment, so their lines come out in the same format.
         os.environ["LOG_FORMAT"] = log_format
-    configure_logging(args.log_level, log_format)
+    try:
+        configure_logging(args.log_level, log_format)
+    except ValueError:
+        print(
+            f"config error: unknown log level {args.log_level!r} (DEBUG, INFO, WARNING, ERROR or CRITICAL)",
+            file=sys.stderr,
+        )
+        return 2
     try:
         return int(args.func(args))
     except ConfigError as exc:

@@ -7,7 +7,8 @@ constant time; keys are never logged, only their names.
 
 Rules once any key source is configured (deny by default):
 - every route but /health/live, /health/ready (ready or not, nothing more without a key) and
-  /dashboard (a page with no data; its script sends the key) needs a key: none or an unknown one -> 401 `invalid_api_key`;
+  /dashboard (a page with no data; its script sends the key) needs a key: none or an unknown one
+  -> 401 `invalid_api_key`;
 - /admin/* needs an admin key -> 403 `permission_denied` for an inference key;
 - a model the key may not use answers 404 `model_not_found`, the same answer as a model that does
   not exist, so a key cannot probe which models are served; /v1/models lists only its models;
