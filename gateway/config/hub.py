@@ -77,6 +77,8 @@ def _progress_class(report: Progress) -> type[Any]:
 
     class Reporting(tqdm):  # type: ignore[misc, valid-type]
         def __init__(self, *args: Any, **kwargs: Any) -> None:
+            # Byte bars (unit "B", totals often unknown) are left out: the file count is the progress.
+            self.counts_files = kwargs.get("unit", "it") != "B"
             kwargs["disable"] = True
             super().__init__(*args, **kwargs)
             self.done = 0
@@ -85,7 +87,8 @@ def _progress_class(report: Progress) -> type[Any]:
 
         def update(self, n: float | None = 1) -> bool | None:
             self.done += int(n or 0)
-            report(self.done, self.report_total, self.what)
+            if self.counts_files:
+                report(self.done, self.report_total, self.what)
             return super().update(n)  # type: ignore[no-any-return]
 
     return Reporting

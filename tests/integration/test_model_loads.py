@@ -94,3 +94,29 @@ def test_hub_model_on_an_offline_host_fails_clearly(gateway: GatewayProcess) -> 
     assert "huggingface-cli download example-org/absent-model" in message
     (worker,) = workers_of(gateway, "from-hub")
     assert worker["state"] == "failed" and worker["pid"] is None
+
+
+def test_hub_model_is_downloaded_before_its_worker_starts(tmp_path: Path, demo_model_dir: Path) -> None:
+    """hf:// through the real huggingface_hub client, against a local stand-in for the hub (the
+    real one is not reachable from the test hosts): downloaded once into the model cache, with
+    progress, then loaded and served."""
+    from tests.hub_stub import HubStub
+
+    with HubStub("demo-org/demo-small", demo_model_dir) as hub:
+        config = write_registry(
+            tmp_path / "models.yaml",
+            [demo_entry("hub-model", "hf://demo-org/demo-small@main")],  # type: ignore[arg-type]
+            model_cache_dir="cache",
+        )
+        env = {"HF_ENDPOINT": hub.url, "HF_HUB_OFFLINE": "0"}
+        with GatewayProcess(config, env=env) as gateway:
+            assert complete(gateway, "hub-model").status_code == 200
+            log = gateway.log()
+        files = [path for method, path in hub.requests if method == "GET" and "/resolve/" in path]
+    fetched = {path.rsplit("/", 1)[1] for path in files}
+    assert {"model.safetensors", "tokenizer.json", "config.json"} <= fetched
+    folder = tmp_path / "cache" / "demo-org--demo-small" / "main"
+    assert (folder / "model.safetensors").read_bytes() == (demo_model_dir / "model.safetensors").read_bytes()
+    assert "downloading hf://demo-org/demo-small@main into" in log
+    assert re.search(r"hf://demo-org/demo-small@main: (\d+)/\1 files", log), log[-3000:]
+    assert log.index("downloaded hf://demo-org/demo-small@main") < log.index("spawned worker hub-model#0")
