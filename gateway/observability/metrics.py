@@ -25,6 +25,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessColl
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from quart import Response, current_app, g, request
+from werkzeug.exceptions import HTTPException
 
 from gateway.errors import ClientClosed
 from wire.results import JobOutput
@@ -240,7 +241,12 @@ async def _model_label() -> str:
     known = log_context().get("model")  # set once the route resolved the model
     if known is not None:
         return known
-    body = await request.get_json(force=True, silent=True) if request.method == "POST" else None
+    if request.method != "POST":
+        return ""
+    try:  # the body was read (and cached) by the validation that refused it
+        body = await request.get_json(force=True, silent=True)
+    except HTTPException:  # a body that cannot be read (too large): no model to name
+        return ""
     name = body.get("model") if isinstance(body, dict) else None
     if not isinstance(name, str):
         return ""
@@ -253,7 +259,8 @@ async def count_response(response: Response) -> Response:
     recorder: RequestRecorder | None = g.get("request_recorder")
     if recorder is None:
         if request.path.startswith("/v1/"):
-            model = await _model_label() if response.status_code != 404 else ""
+            # 400s name the model they were about; a 404's name may be anything a client typed.
+            model = await _model_label() if response.status_code == 400 else ""
             current_app.extensions["metrics"].requests.labels(
                 model, _endpoint(), str(response.status_code)
             ).inc()
