@@ -9,6 +9,9 @@ first token on both paths (median over repeats after one warm-up each) and their
 gateway's and worker's CPU time per streamed token over a burst of concurrent streams (utime +
 stime from /proc/<pid>/stat); client inter-chunk gaps against the raw engine's step intervals;
 and how much CPU other processes on the host used meanwhile, since that skews everything else.
+Last, a concurrency sweep (`--concurrency 1,2,4,8`): at each level the same number of jobs at once
+on each path (raw: submitted together to the engine; gateway: concurrent streams), total tokens/s
+and median time to first token, plotted per path into a PNG next to the table (bench/plots.py).
 
     python bench/bench_gateway_cpu.py --model-preset medium --tokens 256 --repeats 5 --out bench/results
 """
@@ -138,6 +141,59 @@ def http_run(client: httpx.Client, tokens: int) -> dict[str, Any]:
     return {"started": started, "times": times, "tokens": usage.get("completion_tokens", len(times))}
 
 
+def raw_level(engine: Any, count: int, tokens: int) -> dict[str, float]:
+    """`count` greedy jobs submitted together: total tokens/s and median time to first token."""
+    from wire.params import SamplingParams
+
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    prompt = engine.encode(PROMPT, add_special_tokens=True)
+    started = time.perf_counter()
+    first: dict[str, float] = {}
+    for i in range(count):
+        engine.submit(f"level-{started}-{i}", prompt, params)
+    total = 0
+    while engine.has_work():
+        for output in engine.step():
+            total += len(output.token_ids)
+            if output.text and output.rid not in first:
+                first[output.rid] = time.perf_counter() - started
+    wall = time.perf_counter() - started
+    return {"concurrency": count, "tok_s": total / wall, "ttft_ms": 1000 * statistics.median(first.values())}
+
+
+def http_level(url: str, count: int, tokens: int) -> dict[str, float]:
+    """`count` concurrent streams, each on its own connection, started together."""
+    clients = [httpx.Client(base_url=url) for _ in range(count)]
+    try:
+        started = time.perf_counter()
+        with ThreadPoolExecutor(count) as pool:
+            runs = list(pool.map(lambda c: http_run(c, tokens), clients))
+        wall = max(r["times"][-1] for r in runs) - started
+    finally:
+        for client in clients:
+            client.close()
+    return {
+        "concurrency": count,
+        "tok_s": sum(r["tokens"] for r in runs) / wall,
+        "ttft_ms": 1000 * statistics.median(r["times"][0] - r["started"] for r in runs),
+    }
+
+
+def sweep(engine: Any, url: str, args: argparse.Namespace) -> dict[str, list[dict[str, float]]]:
+    """Each level on both paths, alternating, `--repeats` times; the median run of each is kept."""
+    levels = [int(c) for c in args.concurrency.split(",")]
+    series: dict[str, list[dict[str, float]]] = {"raw engine, in-process": [], "gateway, HTTP streams": []}
+    for count in levels:
+        raws, https = [], []
+        for _ in range(max(args.repeats // 2, 1)):
+            raws.append(raw_level(engine, count, args.tokens))
+            https.append(http_level(url, count, args.tokens))
+        for name, runs in (("raw engine, in-process", raws), ("gateway, HTTP streams", https)):
+            runs.sort(key=lambda r: r["tok_s"])
+            series[name].append(runs[len(runs) // 2])
+    return series
+
+
 def engine_settings(args: argparse.Namespace) -> dict[str, Any]:
     return {"threads": 1, "max_batch_size": args.streams, "max_chunk_size": 2048}
 
@@ -164,6 +220,7 @@ def measure(model_dir: Path, work: Path, args: argparse.Namespace) -> dict[str, 
                 raw_runs.append(raw_run(engine, args.tokens))
                 http_runs.append(http_run(client, args.tokens))
             single_cpu = watch.stop()
+        levels = sweep(engine, gw.url, args)
         engine.close()
         watch = CpuWatch(pids)  # idle: heartbeats and timers only
         time.sleep(args.idle_s)
@@ -185,6 +242,7 @@ def measure(model_dir: Path, work: Path, args: argparse.Namespace) -> dict[str, 
                   "chunks": sum(len(r["times"]) for r in burst),
                   **{f"{k}_us_per_token": 1e6 * burst_cpu[k] / streamed for k in pids}},
         "cpu_s": {"single_stream_phase": single_cpu, "idle": idle_cpu, "burst": burst_cpu},
+        "concurrency": levels,
     }  # fmt: skip
 
 
@@ -240,7 +298,14 @@ def markdown(report: dict[str, Any]) -> str:
         f"| idle CPU gateway / worker | {1000 * cpu['idle']['gateway'] / cpu['idle']['wall_s']:.2f} / "
         f"{1000 * cpu['idle']['worker'] / cpu['idle']['wall_s']:.2f} ms/s |",
         f"| other load on the host (single-stream phase / burst) | {share[0]:.2f} / {share[1]:.2f} cores |",
+        "",
+        "| concurrent requests | raw tok/s | gateway tok/s | raw TTFT ms | gateway TTFT ms |",
+        "|---|---|---|---|---|",
     ]
+    raw_levels, gw_levels = report["concurrency"].values()
+    for r, g in zip(raw_levels, gw_levels, strict=True):
+        lines.append(f"| {r['concurrency']} | {r['tok_s']:.1f} | {g['tok_s']:.1f} | {r['ttft_ms']:.1f} | "
+                     f"{g['ttft_ms']:.1f} |")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -252,6 +317,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--streams", type=int, default=8, help="concurrent streams in the CPU burst")
     parser.add_argument("--burst-tokens", type=int, help="max_tokens per burst stream (default: --tokens)")
     parser.add_argument("--idle-s", type=float, default=2.0, help="idle window for the baseline CPU rate")
+    parser.add_argument("--concurrency", default="1,2,4,8", help="levels of the sweep (at most --streams)")
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     args = parser.parse_args(argv)
 
@@ -272,8 +338,17 @@ def main(argv: list[str] | None = None) -> int:
     stem = f"bench_gateway_cpu_{report['env']['date'].replace(':', '')}"
     (args.out / f"{stem}.md").write_text(table + "\n")
     (args.out / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
+    from bench.plots import concurrency_plot
+
+    env = report["env"]
+    concurrency_plot(
+        report["concurrency"],
+        f"Gateway overhead on the CPU engine (demo model {env['preset']}, {env['tokens']} tokens, greedy)",
+        f"{env['cpu']}, {env['cores']} cores, {env['date']}, torch {env['torch']}",
+        args.out / f"{stem}.png",
+    )
     print(table)
-    print(f"\nwrote {args.out / stem}.md and .json")
+    print(f"\nwrote {args.out / stem}.md, .json and .png")
     return 0
 
 

@@ -18,6 +18,10 @@ one with `replicas: 1` and one with `replicas: 8` (each replica `threads: 1`, `m
   and over the sequential runs, idle time included; the idle rate (heartbeats, timers) is reported
   beside it so it can be judged.
 
+- a concurrency sweep (`--concurrency 1,4,16,64`): at each level that many streamed requests at
+  once (`--sweep-tokens` each) to each gateway, total tokens/s and median time to first token per
+  gateway, plotted into a PNG next to the table (bench/plots.py).
+
 On a 2-core machine the 8 workers, both gateways and this client compete for CPU, so latencies
 and the burst's wall time say little about a GPU host; the counts, the CV and the gateway CPU per
 request are the portable numbers. The output says so.
@@ -116,6 +120,50 @@ async def burst(url: str, count: int, max_tokens: int) -> tuple[list[int], float
         )
         wall = time.perf_counter() - started
     return [r.status_code for r in replies], wall
+
+
+async def stream_burst(url: str, count: int, max_tokens: int) -> dict[str, float]:
+    """`count` streamed requests at once: total tokens/s and median time to first token."""
+    limits = httpx.Limits(max_connections=count, max_keepalive_connections=count)
+    payload = {**body(max_tokens), "stream": True, "stream_options": {"include_usage": True}}
+
+    async def one(client: httpx.AsyncClient, started: float) -> tuple[float, int, float]:
+        first, tokens = 0.0, 0
+        async with client.stream("POST", "/v1/completions", json=payload) as response:
+            response.raise_for_status()
+            async for line in response.aiter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                chunk = json.loads(line[6:])
+                if not first and any(c.get("text") for c in chunk.get("choices", [])):
+                    first = time.perf_counter() - started
+                if chunk.get("usage"):
+                    tokens = int(chunk["usage"]["completion_tokens"])
+        return first, tokens, time.perf_counter()
+
+    async with httpx.AsyncClient(base_url=url, timeout=300, limits=limits) as client:
+        started = time.perf_counter()
+        runs = await asyncio.gather(*(one(client, started) for _ in range(count)))
+    wall = max(end for _, _, end in runs) - started
+    return {
+        "concurrency": count,
+        "tok_s": sum(tokens for _, tokens, _ in runs) / wall,
+        "ttft_ms": 1000 * statistics.median(first for first, _, _ in runs),
+    }
+
+
+def concurrency_sweep(gateways: dict[str, GatewayProcess], args: argparse.Namespace) -> dict[str, Any]:
+    """Each level to each gateway in turn, `--bursts` times; the median run of each is kept."""
+    series: dict[str, list[dict[str, float]]] = {name: [] for name in gateways}
+    for count in (int(c) for c in args.concurrency.split(",")):
+        runs: dict[str, list[dict[str, float]]] = {name: [] for name in gateways}
+        for _ in range(args.bursts):
+            for name, gateway in gateways.items():
+                runs[name].append(asyncio.run(stream_burst(gateway.url, count, args.sweep_tokens)))
+        for name, measured in runs.items():
+            measured.sort(key=lambda r: r["tok_s"])
+            series[name].append(measured[len(measured) // 2])
+    return series
 
 
 def cv(values: list[float]) -> float:
@@ -324,6 +372,22 @@ def markdown(report: dict[str, Any]) -> str:
         "routing, and replica speeds differ by scheduling luck. The per-replica counts, the CVs and the "
         "gateway CPU per request are the numbers that carry over to a GPU host.",
     ]
+    sweep = report["concurrency"]
+    one_replica, many = sweep["replicas_1"], sweep[f"replicas_{conf['replicas']}"]
+    lines += [
+        "",
+        f"Streamed sweep ({report['other_load_cores']['sweep']:.2f} cores of other load): median of "
+        f"{conf['bursts']} bursts per level",
+        "",
+        "| concurrent requests | 1 replica tok/s | "
+        f"{conf['replicas']} replicas tok/s | 1 replica TTFT ms | {conf['replicas']} replicas TTFT ms |",
+        "|---|---|---|---|---|",
+        *(
+            f"| {a['concurrency']} | {a['tok_s']:.1f} | {b['tok_s']:.1f} | "
+            f"{a['ttft_ms']:.1f} | {b['ttft_ms']:.1f} |"
+            for a, b in zip(one_replica, many, strict=True)
+        ),
+    ]
     return "\n".join(lines)
 
 
@@ -337,6 +401,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--replicas", type=int, default=8)
     parser.add_argument("--max-batch-size", type=int, default=4)
     parser.add_argument("--idle-s", type=float, default=5.0)
+    parser.add_argument("--concurrency", default="1,4,16,64", help="levels of the streamed sweep")
+    parser.add_argument("--sweep-tokens", type=int, default=32, help="max_tokens per request in the sweep")
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "bench" / "results")
     args = parser.parse_args(argv)
 
@@ -377,13 +443,26 @@ def main(argv: list[str] | None = None) -> int:
         load = OtherLoad(gateways)
         report["sequential"] = sequential(gateways, args)
         report["other_load_cores"]["sequential"] = load.cores()
+        load = OtherLoad(gateways)
+        report["concurrency"] = concurrency_sweep(gateways, args)
+        report["other_load_cores"]["sweep"] = load.cores()
     table = markdown(report)
     args.out.mkdir(parents=True, exist_ok=True)
     stem = f"bench_routing_{report['env']['date'].replace(':', '')}"
     (args.out / f"{stem}.md").write_text(table + "\n")
     (args.out / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
+    from bench.plots import concurrency_plot
+
+    env = report["env"]
+    names = {f"replicas_{n}": f"{n} replica{'s' if n > 1 else ''}" for n in (1, args.replicas)}
+    concurrency_plot(
+        {names[k]: v for k, v in report["concurrency"].items()},
+        f"Routing over replicas, CPU engine (demo model small, {args.sweep_tokens} tokens each, streamed)",
+        f"{env['cpu']}, {env['cores']} cores, {env['date']}",
+        args.out / f"{stem}.png",
+    )
     print(table)
-    print(f"\nwrote {args.out / stem}.md and .json")
+    print(f"\nwrote {args.out / stem}.md, .json and .png")
     return 0
 
 

@@ -73,11 +73,18 @@ def random_body(rng: random.Random) -> tuple[str, dict[str, Any]]:
     return "/v1/completions", {**body, "prompt": text}
 
 
-async def one_request(client: httpx.AsyncClient, rng: random.Random, stats: Counter[str]) -> None:
+# (finished at, monotonic; outcome; latency in seconds): one per request, for the timeline plot.
+Event = tuple[float, str, float]
+
+
+async def one_request(
+    client: httpx.AsyncClient, rng: random.Random, stats: Counter[str], events: list[Event]
+) -> None:
     """Send one random request and count how it ended: ok, clean, unclean:<why> or disconnect."""
     path, body = random_body(rng)
     leave_after = rng.randint(1, body["max_tokens"]) if body["stream"] and rng.random() < 0.2 else None
     stats["started"] += 1
+    started = time.monotonic()
     try:
         outcome, tokens = await asyncio.wait_for(
             _exchange(client, path, body, leave_after), REQUEST_TIMEOUT_S + 5
@@ -88,6 +95,8 @@ async def one_request(client: httpx.AsyncClient, rng: random.Random, stats: Coun
         outcome, tokens = f"unclean:{type(exc).__name__}", 0
     stats[outcome] += 1
     stats["tokens"] += tokens
+    finished = time.monotonic()
+    events.append((finished, outcome, finished - started))
 
 
 async def _exchange(
@@ -128,12 +137,12 @@ async def _exchange(
         return "unclean:eof_without_done", 0
 
 
-async def client_loop(url: str, seed: int, stop_at: float, stats: Counter[str]) -> None:
+async def client_loop(url: str, seed: int, stop_at: float, stats: Counter[str], events: list[Event]) -> None:
     rng = random.Random(seed)
     async with httpx.AsyncClient(base_url=url, timeout=REQUEST_TIMEOUT_S) as client:
         while time.monotonic() < stop_at:
             try:
-                await one_request(client, rng, stats)
+                await one_request(client, rng, stats, events)
             except (ValueError, KeyError, TypeError) as exc:  # malformed JSON or missing fields
                 stats[f"unclean:malformed_{type(exc).__name__}"] += 1
 
@@ -171,8 +180,10 @@ async def soak(gw: GatewayProcess, args: argparse.Namespace, report: dict[str, A
     stop_at = started + duration
     stats: Counter[str] = Counter()
     kills: list[dict[str, Any]] = []
+    events: list[Event] = []
     clients = [
-        asyncio.create_task(client_loop(gw.url, args.seed + i, stop_at, stats)) for i in range(args.clients)
+        asyncio.create_task(client_loop(gw.url, args.seed + i, stop_at, stats, events))
+        for i in range(args.clients)
     ]
     kill_task = asyncio.create_task(killer(gw.url, args.kill_every, started, stop_at, kills))
     await asyncio.sleep(min(args.warmup_s, duration / 2))
@@ -194,7 +205,31 @@ async def soak(gw: GatewayProcess, args: argparse.Namespace, report: dict[str, A
         failed_unclean=sum(unclean.values()), unclean_kinds=unclean, disconnects=stats["disconnect"],
         leaked_jobs=leaked, workers_at_end=workers, kills=kills, completion_tokens=stats["tokens"],
         requests_per_s=round(stats["ok"] / wall, 2), tokens_per_s=round(stats["tokens"] / wall, 1),
+        timeline=timeline(events, started, args.interval_s),
     )  # fmt: skip
+
+
+def timeline(events: list[Event], started: float, interval_s: float) -> list[dict[str, float]]:
+    """Requests finished per interval by outcome, with latency percentiles (disconnects left out)."""
+    bins: dict[int, list[Event]] = {}
+    for event in events:
+        bins.setdefault(int((event[0] - started) // interval_s), []).append(event)
+    rows = []
+    for index in range(max(bins) + 1 if bins else 0):
+        done = bins.get(index, [])
+        latencies = sorted(1000 * latency for _, outcome, latency in done if outcome != "disconnect")
+        rows.append({
+            "t_s": (index + 0.5) * interval_s,
+            "ok": sum(1 for _, outcome, _ in done if outcome == "ok"),
+            "clean_errors": sum(1 for _, outcome, _ in done if outcome == "clean"),
+            "unclean_errors": sum(1 for _, outcome, _ in done if outcome.startswith("unclean")),
+            "p50_ms": pct(latencies, 0.5), "p99_ms": pct(latencies, 0.99),
+        })  # fmt: skip
+    return rows
+
+
+def pct(ordered: list[float], q: float) -> float:
+    return ordered[min(int(q * len(ordered)), len(ordered) - 1)] if ordered else 0.0
 
 
 def environment(args: argparse.Namespace) -> dict[str, Any]:
@@ -242,6 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kill-every", type=float, default=60.0, help="seconds between worker SIGKILLs")
     parser.add_argument("--warmup-s", type=float, default=15.0, help="load before the first RSS sample")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--interval-s", type=float, default=10.0, help="bins of the timeline plot")
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     args = parser.parse_args(argv)
 
@@ -271,9 +307,20 @@ def main(argv: list[str] | None = None) -> int:
     table = markdown(report)
     (args.out / f"{stem}.md").write_text(table + "\n")
     (args.out / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
+    from bench.plots import timeline_plot
+
+    env = report["env"]
+    timeline_plot(
+        report["timeline"],
+        f"Soak: {env['clients']} clients, two demo models, a worker killed every {env['kill_every_s']:g} s",
+        f"{env['cpu']}, {env['cores']} cores, {env['date']}",
+        args.out / f"{stem}.png",
+        events=[(k["at_s"], f"kill {k['model']}") for k in report["kills"]],
+    )
     print(table)
     print(
-        f"\nwrote {args.out / stem}.md and .json" + (f" (gateway log: {stem}.gateway.log)" if failed else "")
+        f"\nwrote {args.out / stem}.md, .json and .png"
+        + (f" (gateway log: {stem}.gateway.log)" if failed else "")
     )
     return 1 if failed else 0
 

@@ -1,8 +1,8 @@
-"""The `gateway` command: serve, check-config, make-demo-model.
+"""The `gateway` command: serve, check-config, keys, make-demo-model, --version.
 
 Runs in the gateway process (serve) or a short-lived CLI process. Owns argument parsing and the
 operator-facing messages: a bad registry prints one clear line per problem and exits 2, with no
-traceback.
+traceback. `--log-level` is accepted before or after the subcommand.
 """
 
 from __future__ import annotations
@@ -12,9 +12,12 @@ import asyncio
 import logging
 import os
 import sys
+from importlib import metadata
 from pathlib import Path
 
 from gateway.config.api_keys import check_bind_allowed, keys_file_path, parse_keys_file
+from gateway.config.hub import is_downloaded
+from gateway.config.hub import offline as hub_offline
 from gateway.config.placement import check_placement, discover_gpus
 from gateway.config.registry import ConfigError, Registry, load_registry
 from gateway.observability.logging_setup import configure_logging
@@ -49,16 +52,45 @@ def _check_placement(registry: Registry) -> None:
         raise ConfigError(f"{registry.source}: " + f"\n{registry.source}: ".join(errors))
 
 
+def _host_problems(registry: Registry) -> list[str]:
+    """What stops this registry from starting on this host: model folders that are missing, GPU
+    indices it does not have, weights larger than their GPUs. Remote models are checked on theirs."""
+    problems = []
+    for model in registry.models:
+        if model.remote:
+            continue
+        if model.hub is not None:
+            if not is_downloaded(model.path) and hub_offline():
+                problems.append(
+                    f"model {model.name!r}, field 'path': {model.hub} is not in the model cache "
+                    f"({model.path}) and this host is offline (HF_HUB_OFFLINE=1)"
+                )
+        elif not model.path.is_dir():
+            problems.append(f"model {model.name!r}, field 'path': {model.path} is not a folder on this host")
+    if any(model.gpus or model.replica_gpus for model in registry.models if not model.remote):
+        errors, _ = check_placement(registry, discover_gpus())
+        problems += errors
+    return [f"{registry.source}: {problem}" for problem in problems]
+
+
 def _cmd_check_config(args: argparse.Namespace) -> int:
     registry = load_registry(args.config)
     for model in registry.models:
-        missing = "" if model.path.exists() else "  (path does not exist yet)"
         placements = [model.gpus_of_replica(r) for r in range(model.replicas)]
         where = "remote" if model.remote else ", ".join(f"gpus {g}" if g else "cpu" for g in placements)
-        print(f"ok: {model.name} [{model.engine}, {where}] {model.path}{missing}")
+        source = f"{model.hub} -> {model.path}" if model.hub is not None else str(model.path)
+        if model.hub is not None and not is_downloaded(model.path):
+            source += "  (downloads when it first loads)"
+        print(f"ok: {model.name} [{model.engine}, {where}] {source}")
     keys_path = keys_file_path(registry)
     if keys_path is not None:
         print(f"ok: API keys file {keys_path} ({len(parse_keys_file(keys_path, registry))} key(s))")
+    problems = _host_problems(registry)
+    if problems and args.allow_missing:
+        for problem in problems:
+            print(f"not checked on this host (--allow-missing): {problem}")
+    elif problems:
+        raise ConfigError("\n".join(problems) + "\n(validating for another host? add --allow-missing)")
     return 0
 
 
@@ -90,11 +122,26 @@ def _cmd_keys(args: argparse.Namespace) -> int:
     return 0
 
 
+def version() -> str:
+    """The installed package's version (pyproject.toml), or the source tree's when not installed."""
+    try:
+        return metadata.version("llm-gateway")
+    except metadata.PackageNotFoundError:
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gateway", description="OpenAI-compatible multi-model LLM gateway")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
+    # Also on every subcommand (`gateway serve --log-level DEBUG`); SUPPRESS there, so a subcommand
+    # that is not given the option keeps the value given before it.
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--log-level", default=argparse.SUPPRESS, help="DEBUG, INFO, ... (default: $LOG_LEVEL, then INFO)"
+    )
     parser.add_argument("--log-level", default=os.environ.get("LOG_LEVEL", "INFO"))
     sub = parser.add_subparsers(dest="command", required=True)
-    serve = sub.add_parser("serve", help="run the gateway and its workers")
+    serve = sub.add_parser("serve", help="run the gateway and its workers", parents=[common])
     serve.add_argument("--config", default=os.environ.get("CONFIG", DEFAULT_CONFIG))
     serve.add_argument("--host", default=None, help="default: $HOST, then the registry's server.host")
     serve.add_argument(
@@ -107,10 +154,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="text or json (one object per line); default: $LOG_FORMAT, then text",
     )
     serve.set_defaults(func=_cmd_serve)
-    check = sub.add_parser("check-config", help="validate a registry file without starting anything")
+    check = sub.add_parser(
+        "check-config", help="validate a registry file without starting anything", parents=[common]
+    )
     check.add_argument("config", nargs="?", default=os.environ.get("CONFIG", DEFAULT_CONFIG))
+    check.add_argument(
+        "--allow-missing",
+        action="store_true",
+        help="validate for another host: missing model folders and GPUs are reported, not errors",
+    )
     check.set_defaults(func=_cmd_check_config)
-    keys = sub.add_parser("keys", help="generate CURVE key pairs for the gateway and remote workers")
+    keys = sub.add_parser(
+        "keys", help="generate CURVE key pairs for the gateway and remote workers", parents=[common]
+    )
     keys.add_argument("dir")
     keys.add_argument("--name", action="append", required=True, help="e.g. gateway, worker-a (repeatable)")
     keys.add_argument(
@@ -119,7 +175,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="worker keys: the remote models workers with this key may serve, comma-separated ('*': all)",
     )
     keys.set_defaults(func=_cmd_keys)
-    demo = sub.add_parser("make-demo-model", help="write a small random-weight model folder (offline)")
+    demo = sub.add_parser(
+        "make-demo-model", help="write a small random-weight model folder (offline)", parents=[common]
+    )
     demo.add_argument("dir")
     demo.add_argument("--preset", default="small")
     demo.add_argument("--seed", type=int, default=0)
@@ -138,7 +196,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve":
         # Workers inherit the environment, so their lines come out in the same format.
         os.environ["LOG_FORMAT"] = log_format
-    configure_logging(args.log_level, log_format)
+    try:
+        configure_logging(args.log_level, log_format)
+    except ValueError:
+        print(
+            f"config error: unknown log level {args.log_level!r} (DEBUG, INFO, WARNING, ERROR or CRITICAL)",
+            file=sys.stderr,
+        )
+        return 2
     try:
         return int(args.func(args))
     except ConfigError as exc:

@@ -61,7 +61,21 @@ class Gateway:
         service = GenerationService(
             link, registry.server.sse_keepalive_s, registry.server.write_stall_timeout_s
         )
-        return cls(registry, runtime_dir, link, supervisor, router, service)
+        gateway = cls(registry, runtime_dir, link, supervisor, router, service)
+        supervisor.loads.unload = gateway.unload  # exclusive groups swap models out through unload
+        return gateway
+
+    def plan(self, new: Registry) -> dict[str, list[str]]:
+        """What applying `new` would do: model names added, removed, changed and unchanged."""
+        old = {m.name: m for m in self.registry.models}
+        wanted = {m.name: m for m in new.models}
+        changes: dict[str, list[str]] = {
+            "added": sorted(wanted.keys() - old.keys()),
+            "removed": sorted(old.keys() - wanted.keys()),
+            "changed": sorted(n for n in old.keys() & wanted.keys() if old[n] != wanted[n]),
+        }
+        changes["unchanged"] = sorted(old.keys() & wanted.keys() - set(changes["changed"]))
+        return changes
 
     async def apply_registry(self, new: Registry) -> dict[str, Any]:
         """Move the running set to `new`: start added models, drain and stop removed ones,
@@ -70,16 +84,10 @@ class Gateway:
         Requests waiting for a removed model end at once; requests running on a removed or changed
         model's workers may finish within shutdown_grace_s, then end (each through its owner's
         abort, with the reason). Requests waiting for a changed model wait for its new workers."""
-        old = {m.name: m for m in self.registry.models}
         wanted = {m.name: m for m in new.models}
         if new.server != self.registry.server:
             logger.warning("the server section changed; those settings apply after a restart")
-        changes: dict[str, list[str]] = {
-            "added": sorted(wanted.keys() - old.keys()),
-            "removed": sorted(old.keys() - wanted.keys()),
-            "changed": sorted(n for n in old.keys() & wanted.keys() if old[n] != wanted[n]),
-        }
-        changes["unchanged"] = sorted(old.keys() & wanted.keys() - set(changes["changed"]))
+        changes = self.plan(new)
         grace = self.registry.server.shutdown_grace_s
         ended = 0
         for name in changes["removed"]:
@@ -117,11 +125,16 @@ class Gateway:
         logger.info("registry applied: %s; %d request(s) ended", applied, ended)
         return {**changes, "requests_ended": ended}
 
-    async def unload(self, name: str) -> int:
+    async def unload(self, name: str, why: str | None = None) -> int:
         """Drain and stop a model's workers (requests in flight may finish within the grace);
-        returns how many requests ended: those waiting for it at once, the rest after the grace."""
+        returns how many requests ended: those waiting for it at once, the rest after the grace.
+        `why` is given when the gateway itself unloads it (an exclusive group's swap)."""
         route = self.router.route(name)
-        error = ServiceUnavailable(f"model '{name}' was unloaded", code="model_unloaded")
+        error = (
+            ServiceUnavailable(why, code="model_swapped")
+            if why is not None
+            else ServiceUnavailable(f"model '{name}' was unloaded", code="model_unloaded")
+        )
         ended = self.service.abort_queued(route.config.name, error)
 
         def grace_over(handle: WorkerHandle) -> None:

@@ -61,6 +61,14 @@ class ModelNotFound(APIError):
         super().__init__(f"The model '{model}' does not exist", param="model")
 
 
+class Conflict(APIError):
+    """The action conflicts with one already under way (a second reload while one applies)."""
+
+    status = 409
+    type = "invalid_request_error"
+    code = "conflict"
+
+
 class RequestTimeout(APIError):
     status = 408
     type = "timeout_error"

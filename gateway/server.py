@@ -17,8 +17,8 @@ from hypercorn.config import Config as HypercornConfig
 
 from gateway.config.registry import ConfigError, Registry
 from gateway.core import Gateway
-from gateway.errors import ServiceUnavailable
-from gateway.http.admin_routes import reload_registry
+from gateway.errors import Conflict, ServiceUnavailable
+from gateway.http.admin_routes import start_reload
 from gateway.http.app import create_app
 
 logger = logging.getLogger(__name__)
@@ -58,9 +58,11 @@ async def run_server(registry: Registry, host: str, port: int) -> None:
 
     async def reload_on_signal() -> None:
         try:
-            await reload_registry(app)
+            await start_reload(app)
         except ConfigError as exc:
             logger.error("SIGHUP reload refused; the running models are unchanged: %s", exc)
+        except Conflict as exc:
+            logger.error("SIGHUP reload refused: %s", exc.message)
 
     def on_sighup() -> None:
         task = loop.create_task(reload_on_signal())

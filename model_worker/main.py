@@ -66,6 +66,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="on SIGTERM, let jobs finish this long (remote: 30)",
     )
     parser.add_argument("--log-level", default=os.environ.get("LOG_LEVEL", "INFO"))
+    parser.add_argument(
+        "--log-format",
+        choices=log_format.FORMATS,
+        default=None,
+        help="text or json (one object per line); default: $LOG_FORMAT (a gateway sets it), then text",
+    )
     return parser.parse_args(argv)
 
 
@@ -111,11 +117,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.connect.startswith("tcp://") and args.curve_secret_key is None:
         raise SystemExit("model-worker: a tcp connection needs --curve-secret-key and --gateway-public-key")
     try:
-        fmt = log_format.resolve_format(None, os.environ)  # LOG_FORMAT, inherited from the gateway
+        fmt = log_format.resolve_format(args.log_format, os.environ)  # LOG_FORMAT: from a spawning gateway
     except ValueError:
         fmt = "text"  # the gateway checked it already; a worker never fails over how it logs
     context = log_format.StaticContext(worker=args.worker_id)
     log_format.install(args.log_level, fmt, context)
+    # The model's own environment (registry `env`), like CUDA_VISIBLE_DEVICES before any torch import.
+    os.environ.update(spec.env)
     if args.gpus is not None:
         # Must precede any torch import (engines import torch lazily) or CUDA sees every GPU.
         os.environ["CUDA_VISIBLE_DEVICES"] = args.gpus

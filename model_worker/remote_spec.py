@@ -8,12 +8,14 @@ model). Everything else in the file is the gateway's business; the gateway valid
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from model_worker.settings_check import check_model
+from wire.env_expand import UnsetVariable, expand_env
 from wire.params import DEFAULT_ENGINE, DEFAULT_HEARTBEAT_INTERVAL_S, DEFAULT_MAX_SEQ_LEN, WorkerSpec
 
 
@@ -40,6 +42,12 @@ def remote_spec(config: str | Path, model: str) -> WorkerSpec:
     except (OSError, yaml.YAMLError) as exc:
         raise RemoteSpecError(f"{source}: cannot read: {exc}") from None
     entry = _entry(raw, source, model)
+    try:  # ${VAR} as the gateway expands them, from this host's environment
+        entry = expand_env(entry, os.environ)
+        raw = {**raw, "server": expand_env(raw.get("server") or {}, os.environ)}
+    except UnsetVariable as exc:
+        field = ".".join(str(p) for p in exc.where)
+        raise RemoteSpecError(f"{source}: model {model!r}, field {field!r}: {exc}") from None
     base = source.resolve().parent
     name = str(entry["name"])
     engine = str(entry.get("engine", DEFAULT_ENGINE))
@@ -62,4 +70,5 @@ def remote_spec(config: str | Path, model: str) -> WorkerSpec:
         engine_settings=report["engine_settings"],
         chat_template=template,
         heartbeat_interval_s=float(server.get("heartbeat_interval_s", DEFAULT_HEARTBEAT_INTERVAL_S)),
+        env={str(k): str(v) for k, v in (entry.get("env") or {}).items()},
     )

@@ -56,6 +56,7 @@ class Worker:
         self.info: EngineInfo | None = None
         self.prompts: PromptBuilder | None = None
         self._stop_deadline: float | None = None
+        self._stop_requested = False  # SIGTERM or Shutdown: the goodbye says so
         self._ready: wire.Ready | None = None
         self._announce_draining = False
         self._live_rids: set[str] = set()
@@ -87,6 +88,7 @@ class Worker:
     # ---- lifecycle -------------------------------------------------------------------------
 
     def request_stop(self, grace_s: float) -> None:
+        self._stop_requested = True
         if self.state in LOADING_STATES:
             sys.exit(0)  # nothing to drain; stop loading at once
         deadline = time.monotonic() + grace_s
@@ -116,7 +118,14 @@ class Worker:
             self._close()
         return 0
 
+    def _say_goodbye(self) -> None:
+        """The last frame: the gateway learns at once that this process is gone (LINGER flushes it),
+        instead of waiting for its heartbeat timeout. Sent from every exit; the fatal one included."""
+        detail = "stopped on request" if self._stop_requested else "exiting"
+        self._send(wire.Status(WorkerState.STOPPED, detail, None))
+
     def _close(self) -> None:
+        self._say_goodbye()
         if self.engine is not None:
             try:
                 self.engine.close()

@@ -20,7 +20,10 @@ FORMATS = ("text", "json")
 CONTEXT_FIELDS = ("request_id", "model", "worker")
 # Structured fields of the gateway's access log line. A whitelist, not "every extra attribute":
 # whatever else a caller attaches to a record (a request, a body) must never reach a log line.
-ACCESS_FIELDS = ("method", "path", "status", "duration_ms", "key_name")
+ACCESS_FIELDS = (
+    "method", "path", "status", "duration_ms", "key_name", "client",
+    "prompt_tokens", "completion_tokens", "ttft_ms", "finish_reason",
+)  # fmt: skip
 
 _TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 

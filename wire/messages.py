@@ -98,7 +98,8 @@ class Hello(Message):
 
 @dataclass(frozen=True, slots=True)
 class Status(Message):
-    """Lifecycle progress: loading or warming (progress in [0, 1] or None), or draining."""
+    """Lifecycle progress: loading or warming (progress in [0, 1] or None), or draining; `stopped` is a
+    worker's last frame before its process exits, so the gateway need not wait for a heartbeat timeout."""
 
     state: WorkerState
     detail: str

@@ -87,6 +87,8 @@ class WorkerSpec:
     chat_template: str | None = None
     heartbeat_interval_s: float = 1.0
     warmup_runs: int = 2
+    # The model's `env` from the registry: set in the worker before its engine is imported.
+    env: dict[str, str] = field(default_factory=dict)
 
 
 # Registry defaults that both processes apply: the gateway to the entries it validates, a remote

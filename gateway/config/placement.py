@@ -63,6 +63,55 @@ def discover_gpus() -> list[Gpu]:
     return gpus
 
 
+def free_memory_bytes(indices: list[int]) -> dict[int, int] | None:
+    """Free memory of these GPUs now, by index; None when it cannot be read (no NVML, no nvidia-smi)."""
+    try:
+        import pynvml  # nvidia-ml-py
+
+        pynvml.nvmlInit()
+        try:
+            free = {}
+            for index in indices:
+                memory = pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(index))
+                free[index] = int(memory.free)
+            return free
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:
+        logger.debug("NVML unavailable", exc_info=True)
+    if shutil.which("nvidia-smi") is None:
+        return None
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=index,memory.free", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    free = {}
+    for line in out.strip().splitlines():
+        index_text, mib = (part.strip() for part in line.split(","))
+        if int(index_text) in indices:
+            free[int(index_text)] = int(float(mib)) * 1024**2
+    return free
+
+
+def memory_shortfall(model: ModelConfig, gpus: list[int], free: dict[int, int]) -> str | None:
+    """Why the model's weights do not fit in the free memory of `gpus` now, or None if they do."""
+    available = sum(free.get(g, 0) for g in gpus) - int(model.reserve_vram_gb * GIB) * len(gpus)
+    needed = weights_bytes(model)
+    if needed <= available:
+        return None
+    listed = ", ".join(f"GPU {g}: {free.get(g, 0) / GIB:.1f} GiB free" for g in gpus)
+    return (
+        f"not enough free GPU memory to load model {model.name!r}: its weights take {needed / GIB:.1f} GiB "
+        f"({listed}); unload another model or put it in an exclusive_group with the models it displaces"
+    )
+
+
 def weights_bytes(model: ModelConfig) -> int:
     """On-disk size of the weights; quantized and FP16 weights load at about their file size."""
     total = 0

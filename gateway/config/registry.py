@@ -9,6 +9,9 @@ keys are errors; every error names the file, the model and the field.
 
 from __future__ import annotations
 
+import os
+import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -23,7 +26,14 @@ from pydantic import (
     model_validator,
 )
 
+from gateway.config.hub import HUB_SCHEME, HubRef, parse_hub_path
+from wire.env_expand import UnsetVariable, expand_env
 from wire.params import DEFAULT_ENGINE, DEFAULT_HEARTBEAT_INTERVAL_S, DEFAULT_MAX_SEQ_LEN, WorkerSpec
+
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+# Set by the gateway for each worker; a model's `env` may not override them.
+RESERVED_ENV = frozenset({"CUDA_VISIBLE_DEVICES", "LOG_FORMAT"})
+DEFAULT_MODEL_CACHE = Path("~/.cache/llm-gateway/models")
 
 
 class _Strict(BaseModel):
@@ -61,7 +71,11 @@ class ModelLimits(_Strict):
 class ModelConfig(_Strict):
     name: str = Field(..., min_length=1, pattern=r"^[A-Za-z0-9._:/-]+$", description="What clients send.")
     engine: str = Field(DEFAULT_ENGINE, description="exllamav2 (GPU) or transformers (CPU or GPU).")
-    path: Path = Field(..., description="Model folder (HF layout); relative to the registry file.")
+    path: Path = Field(
+        ...,
+        description="Model folder (HF layout), relative to the registry file; or hf://ORG/NAME[@REVISION], "
+        "downloaded into server.model_cache_dir before the worker starts.",
+    )
     gpus: list[int] = Field(default_factory=list, description="GPU indices; empty means CPU.")
     max_seq_len: int = Field(DEFAULT_MAX_SEQ_LEN, ge=16)
     replicas: int = Field(1, ge=1, le=64, description="Worker processes serving this model.")
@@ -85,9 +99,22 @@ class ModelConfig(_Strict):
         default_factory=dict,
         description="The engine's own settings (batch size, cache, ...); its settings model validates them.",
     )
+    env: dict[str, str] = Field(
+        default_factory=dict,
+        description="Environment variables for this model's worker processes (set before the engine loads).",
+    )
+    exclusive_group: str | None = Field(
+        None,
+        min_length=1,
+        description="Models in one group share GPUs: loading one on demand first drains and unloads the "
+        "others (llama-swap's swap).",
+    )
     # Set from the engine's settings after they are checked (gateway.config.engine_check).
     _weight_dirs: tuple[Path, ...] = PrivateAttr(default=())
     _reserve_vram_gb: float = PrivateAttr(default=0.0)
+    # Set when `path` names a Hugging Face repository (gateway.config.hub); `path` is then its folder
+    # in the cache.
+    _hub: HubRef | None = PrivateAttr(default=None)
 
     @field_validator("gpus")
     @classmethod
@@ -107,6 +134,20 @@ class ModelConfig(_Strict):
     @property
     def reserve_vram_gb(self) -> float:
         return self._reserve_vram_gb
+
+    @property
+    def hub(self) -> HubRef | None:
+        return self._hub
+
+    @field_validator("env")
+    @classmethod
+    def _env_names(cls, env: dict[str, str]) -> dict[str, str]:
+        for name in env:
+            if not _ENV_NAME.match(name):
+                raise ValueError(f"{name!r} is not an environment variable name")
+            if name in RESERVED_ENV:
+                raise ValueError(f"{name} is set by the gateway for each worker; it cannot be overridden")
+        return env
 
     @model_validator(mode="after")
     def _replicas_have_gpus(self) -> ModelConfig:
@@ -166,6 +207,19 @@ class ServerConfig(_Strict):
     write_stall_timeout_s: float = Field(
         30.0, gt=0, description="A streaming client that reads nothing for this long is dropped."
     )
+    readiness: Literal["all_startup", "any"] = Field(
+        "all_startup",
+        description="When /health/ready answers 200: every startup model is ready (all_startup), or at "
+        "least one model can serve (any). Models unloaded on purpose never count.",
+    )
+    max_concurrent_loads: int | None = Field(
+        None, ge=1, description="Workers loading a model at once; others wait their turn. None: no limit."
+    )
+    model_cache_dir: Path | None = Field(
+        None,
+        description="Where hf:// models are downloaded, relative to the registry file; default "
+        "~/.cache/llm-gateway/models.",
+    )
 
 
 class Registry(_Strict):
@@ -190,6 +244,22 @@ class Registry(_Strict):
         remote = [m.name for m in self.models if m.remote]
         if remote and self.server.remote_workers is None:
             raise ValueError(f"models {remote} are remote, but server.remote_workers is not configured")
+        return self
+
+    @model_validator(mode="after")
+    def _groups_start_one(self) -> Registry:
+        starters: dict[str, list[str]] = {}
+        for model in self.models:
+            if model.exclusive_group is not None and model.remote:
+                raise ValueError(f"model {model.name!r} is remote; exclusive_group is for local models")
+            if model.exclusive_group is not None and model.load == "startup":
+                starters.setdefault(model.exclusive_group, []).append(model.name)
+        for group, names in starters.items():
+            if len(names) > 1:
+                raise ValueError(
+                    f"exclusive_group {group!r}: models {names} are all `load: startup`, but only one "
+                    "model of a group runs at a time; make the others `load: on_demand`"
+                )
         return self
 
     def model(self, name: str) -> ModelConfig | None:
@@ -228,6 +298,44 @@ def _resolve_template(template: str | None, base: Path) -> str | None:
     return str(candidate) if candidate.is_file() else template
 
 
+def _where(raw: Any, location: tuple[str | int, ...]) -> str:
+    """`model 'name', field 'a.b'` for a location in the raw file, as pydantic errors are described."""
+    return _describe({"loc": location, "msg": ""}, raw).removesuffix(": ")
+
+
+def expand_registry_env(raw: Any, source: Path, environ: Mapping[str, str]) -> Any:
+    """`${VAR}` / `${VAR:-default}` in every string of the file; an unset one names where it is."""
+    try:
+        return expand_env(raw, environ)
+    except UnsetVariable as exc:
+        raise ConfigError(f"{source}: {_where(raw, exc.where)}: {exc}") from None
+
+
+def _hub_refs(raw: Any, registry: Registry, source: Path) -> list[HubRef | None]:
+    """The hf:// reference of each model's `path`, read from the raw text (a Path would mangle it)."""
+    refs: list[HubRef | None] = []
+    errors = []
+    for index, model in enumerate(registry.models):
+        text = str(raw["models"][index].get("path", ""))
+        if not text.startswith(HUB_SCHEME):
+            refs.append(None)
+            continue
+        try:
+            ref = parse_hub_path(text)
+        except ValueError as exc:
+            errors.append(f"{source}: model {model.name!r}, field 'path': {exc}")
+            continue
+        if model.remote:
+            errors.append(
+                f"{source}: model {model.name!r}, field 'path': hf:// paths are for local models; a remote "
+                "worker's host needs the model folder itself"
+            )
+        refs.append(ref)
+    if errors:
+        raise ConfigError("\n".join(errors))
+    return refs
+
+
 def parse_registry(raw: Any, source: Path, check_engines: bool = True) -> Registry:
     """Validate already-parsed YAML; relative paths resolve against the file's folder. With
     `check_engines`, each model's engine_settings are validated by its engine's settings model."""
@@ -241,15 +349,16 @@ def parse_registry(raw: Any, source: Path, check_engines: bool = True) -> Regist
         lines = [f"{source}: {_describe(e, raw)}" for e in exc.errors()]
         raise ConfigError("\n".join(lines)) from None
     base = source.parent
-    models = [
-        m.model_copy(
-            update={
-                "path": (base / m.path).resolve(),
-                "chat_template": _resolve_template(m.chat_template, base),
-            }
+    cache = registry.server.model_cache_dir
+    cache_dir = (base / cache).resolve() if cache is not None else DEFAULT_MODEL_CACHE.expanduser()
+    models = []
+    for model, hub in zip(registry.models, _hub_refs(raw, registry, source), strict=True):
+        path = hub.folder(cache_dir) if hub is not None else (base / model.path).resolve()
+        copy = model.model_copy(
+            update={"path": path, "chat_template": _resolve_template(model.chat_template, base)}
         )
-        for m in registry.models
-    ]
+        copy._hub = hub
+        models.append(copy)
     server = registry.server
     if server.remote_workers is not None:
         remote = server.remote_workers
@@ -260,6 +369,7 @@ def parse_registry(raw: Any, source: Path, check_engines: bool = True) -> Regist
             }
         )
         server = server.model_copy(update={"remote_workers": resolved})
+    server = server.model_copy(update={"model_cache_dir": cache_dir})
     if check_engines:
         models = apply_engine_checks(models, source)
     return registry.model_copy(update={"models": models, "server": server})
@@ -275,10 +385,11 @@ def worker_spec(model: ModelConfig, heartbeat_interval_s: float) -> WorkerSpec:
         engine_settings=dict(model.engine_settings),
         chat_template=model.chat_template,
         heartbeat_interval_s=heartbeat_interval_s,
+        env=dict(model.env),
     )
 
 
-def load_registry(path: str | Path) -> Registry:
+def load_registry(path: str | Path, environ: Mapping[str, str] | None = None) -> Registry:
     source = Path(path)
     try:
         text = source.read_text()
@@ -290,4 +401,5 @@ def load_registry(path: str | Path) -> Registry:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark else ""
         raise ConfigError(f"{source}: not valid YAML{where}: {getattr(exc, 'problem', exc)}") from None
+    raw = expand_registry_env(raw, source, os.environ if environ is None else environ)
     return parse_registry(raw, source)

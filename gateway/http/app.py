@@ -25,8 +25,9 @@ from gateway.core import Gateway
 from gateway.errors import APIError, InvalidRequest, error_body
 from gateway.http import admin_routes, dashboard, health_routes, metrics_route, openai_routes, tokenize_routes
 from gateway.http.auth import Authenticator
-from gateway.http.request_log import begin_request, finish_request
+from gateway.http.request_log import begin_request, end_request, finish_request
 from gateway.observability.metrics import GatewayMetrics, count_response
+from gateway.reloads import Reloads
 
 logger = logging.getLogger(__name__)
 
@@ -78,11 +79,13 @@ def create_app(registry: Registry) -> Quart:
     app.extensions["gateway"] = gateway
     app.extensions["auth"] = authenticator
     app.extensions["metrics"] = GatewayMetrics(gateway)
+    app.extensions["reloads"] = Reloads(gateway, authenticator.use_registry)
     # The request id first, so a refused request is logged and answered with one too.
     app.before_request(begin_request)
     app.before_request(authenticator.before_request)
     app.after_request(count_response)
     app.after_request(finish_request)
+    app.teardown_request(end_request)
     for module in (openai_routes, health_routes, tokenize_routes, admin_routes, metrics_route, dashboard):
         app.register_blueprint(module.blueprint)
 
@@ -96,6 +99,7 @@ def create_app(registry: Registry) -> Quart:
     @app.after_serving
     async def stop_gateway() -> None:
         gateway.service.draining = True
+        await app.extensions["reloads"].stop()
         await gateway.supervisor.stop(registry.server.shutdown_grace_s)
         await gateway.service.stop()
         await gateway.link.close()

@@ -6,8 +6,9 @@ changes, and the per-key token buckets. Only SHA-256 digests of keys are kept, c
 constant time; keys are never logged, only their names.
 
 Rules once any key source is configured (deny by default):
-- every route but /health/live and /dashboard (a page with no data; its script sends the key) needs
-  a key: none or an unknown one -> 401 `invalid_api_key`;
+- every route but /health/live, /health/ready (ready or not, nothing more without a key) and
+  /dashboard (a page with no data; its script sends the key) needs a key: none or an unknown one
+  -> 401 `invalid_api_key`;
 - /admin/* needs an admin key -> 403 `permission_denied` for an inference key;
 - a model the key may not use answers 404 `model_not_found`, the same answer as a model that does
   not exist, so a key cannot probe which models are served; /v1/models lists only its models;
@@ -40,7 +41,9 @@ from gateway.errors import AuthenticationFailed, ModelNotFound, PermissionDenied
 
 logger = logging.getLogger(__name__)
 
-OPEN_PATHS = frozenset({"/health/live", "/dashboard"})
+# /health/ready answers without a key (load balancers' probes) and then says only ready or not;
+# gateway.http.health_routes adds the models a valid key may use.
+OPEN_PATHS = frozenset({"/health/live", "/health/ready", "/dashboard"})
 RELOAD_CHECK_S = 1.0
 
 

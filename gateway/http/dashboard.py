@@ -2,7 +2,8 @@
 
 Runs in the gateway process. Owns serving that one self-contained page. The page holds no data:
 its script polls /admin/workers and /health/ready from the browser, with the admin key the
-operator types in when keys are configured, so /dashboard itself is open (gateway/auth.py).
+operator types in when keys are configured, so /dashboard itself is open (gateway/auth.py), and
+sends the operator's actions (load, unload, reload) to the admin routes with that key.
 A strict Content-Security-Policy pins the page to its own inline script and style (by hash) and
 to same-origin fetches: it cannot load or send anything elsewhere.
 """

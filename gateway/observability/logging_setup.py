@@ -15,7 +15,8 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import IO, Any
 
@@ -53,6 +54,25 @@ def set_log_context(*, model: str | None = None, worker: str | None = None) -> N
         _model.set(model)
     if worker is not None:
         _worker.set(worker)
+
+
+def bind_worker_log_context(worker: str, model: str) -> None:
+    """For a task that acts for one worker (the supervisor's per-worker task): its lines carry the
+    worker and model, and never the id of a request that happened to start the task."""
+    _request_id.set(None)
+    _model.set(model)
+    _worker.set(worker)
+
+
+@contextmanager
+def worker_log_context(worker: str, model: str) -> Iterator[None]:
+    """The same for one call (handling one frame of a worker), restored afterwards."""
+    tokens = [(var, var.set(value)) for var, value in ((_model, model), (_worker, worker))]
+    try:
+        yield
+    finally:
+        for var, token in reversed(tokens):
+            var.reset(token)
 
 
 def log_context() -> dict[str, str]:

@@ -8,18 +8,24 @@ per token), and `WorkerCollector`, which turns router and supervisor state into 
 
 Worker gauges come from each heartbeat's typed EngineStats (wire.stats), the same shape for every
 engine: GPU memory per device, KV cache usage, jobs per generator step, active and queued jobs.
+Worker series are labelled `model` and `replica` (the replica's index, or a remote worker's name
+after `@`), never the worker id, which changes with each reload: a restarted or reloaded worker
+continues its series. `RecentRequests` keeps each model's last few minutes of outcomes and
+latencies for the status page.
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from quart import Response, current_app, g, request
+from werkzeug.exceptions import HTTPException
 
 from gateway.errors import ClientClosed
 from wire.results import JobOutput
@@ -27,12 +33,16 @@ from wire.states import WorkerState
 
 if TYPE_CHECKING:
     from gateway.core import Gateway
+    from gateway.workers.handle import WorkerHandle
 
 CLIENT_CLOSED = ClientClosed.status  # nginx's 499: the client went away before the response was complete
 
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 10, 20, 40, 80)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5)
 _DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600)
+_PHASE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+RECENT_WINDOW_S = 300.0
+RECENT_MAX = 2000  # per model: the window's figures come from at most this many requests
 
 
 class GatewayMetrics:
@@ -72,16 +82,52 @@ class GatewayMetrics:
         self.completion_tokens = Counter(
             "gateway_completion_tokens", "Completion tokens generated.", ["model"], registry=r
         )
+        self.queue_time = Histogram(
+            "gateway_request_queue_time_seconds",
+            "Request start until every choice was accepted by a worker: waiting in the gateway's queue "
+            "for a slot (and for a model to load), then the hand-off.",
+            ["model"],
+            buckets=_PHASE_BUCKETS,
+            registry=r,
+        )
+        self.engine_queue_time = Histogram(
+            "gateway_engine_queue_time_seconds",
+            "Time a finished job waited in the engine before its prefill (worker-reported).",
+            ["model"],
+            buckets=_PHASE_BUCKETS,
+            registry=r,
+        )
+        self.prefill_time = Histogram(
+            "gateway_request_prefill_time_seconds",
+            "Prefill time of a finished job (worker-reported).",
+            ["model"],
+            buckets=_PHASE_BUCKETS,
+            registry=r,
+        )
+        self.decode_time = Histogram(
+            "gateway_request_decode_time_seconds",
+            "Decode time of a finished job: first to last token (worker-reported).",
+            ["model"],
+            buckets=_PHASE_BUCKETS,
+            registry=r,
+        )
+        self.recent = RecentRequests()
         r.register(WorkerCollector(gateway))
+        # process_cpu_seconds_total, process_resident_memory_bytes, open fds...: the gateway process.
+        ProcessCollector(registry=r)
 
     def render(self) -> Response:
         return Response(generate_latest(self.registry), content_type=CONTENT_TYPE_LATEST)
 
 
 class RequestRecorder:
-    """One generation request's figures; `finish` counts it exactly once, whatever way it ends."""
+    """One generation request's figures; `finish` counts it exactly once, whatever way it ends. The
+    access log line reads the same figures (status, tokens, time to first token, finish reason)."""
 
-    __slots__ = ("metrics", "model", "endpoint", "started", "last_output", "finished", "_ttft", "_itl")
+    __slots__ = (
+        "metrics", "model", "endpoint", "started", "last_output", "finished", "status", "ttft_s",
+        "finish_reasons", "prompt_tokens", "completion_tokens", "_ttft", "_itl",
+    )  # fmt: skip
 
     def __init__(self, metrics: GatewayMetrics, model: str, endpoint: str) -> None:
         self.metrics = metrics
@@ -90,16 +136,33 @@ class RequestRecorder:
         self.started = time.perf_counter()
         self.last_output: float | None = None
         self.finished = False
+        self.status: int | None = None
+        self.ttft_s: float | None = None
+        self.finish_reasons: list[str] = []
+        self.prompt_tokens = 0
+        self.completion_tokens = 0
         # Bound once per request: the per-chunk path is then one clock read and one observe.
         self._ttft = metrics.ttft.labels(model)
         self._itl = metrics.itl.labels(model)
 
+    def admitted(self) -> None:
+        """Every choice was accepted by a worker: the request's queue time ends here."""
+        self.metrics.queue_time.labels(self.model).observe(time.perf_counter() - self.started)
+
     def output(self, item: JobOutput) -> None:
+        if item.finish_reason is not None:
+            self.finish_reasons.append(item.finish_reason.value)
+            if item.usage is not None:  # a job's last output: its engine-side phases
+                metrics, usage = self.metrics, item.usage
+                metrics.engine_queue_time.labels(self.model).observe(usage.queue_s)
+                metrics.prefill_time.labels(self.model).observe(usage.prefill_s)
+                metrics.decode_time.labels(self.model).observe(usage.decode_s)
         if not (item.token_ids or item.text):
             return
         now = time.perf_counter()
         if self.last_output is None:
-            self._ttft.observe(now - self.started)
+            self.ttft_s = now - self.started
+            self._ttft.observe(self.ttft_s)
         else:
             self._itl.observe(now - self.last_output)
         self.last_output = now
@@ -108,13 +171,54 @@ class RequestRecorder:
         if self.finished:
             return
         self.finished = True
+        self.status = status
+        self.prompt_tokens, self.completion_tokens = prompt_tokens, completion_tokens
         metrics, model = self.metrics, self.model
+        duration = time.perf_counter() - self.started
         metrics.requests.labels(model, self.endpoint, str(status)).inc()
-        metrics.duration.labels(model).observe(time.perf_counter() - self.started)
+        metrics.duration.labels(model).observe(duration)
+        metrics.recent.add(model, status, duration, self.ttft_s)
         if prompt_tokens:
             metrics.prompt_tokens.labels(model).inc(prompt_tokens)
         if completion_tokens:
             metrics.completion_tokens.labels(model).inc(completion_tokens)
+
+
+class RecentRequests:
+    """Each model's requests of the last RECENT_WINDOW_S: error rate and latency for the status page."""
+
+    def __init__(self) -> None:
+        # model -> (finished at, status, duration s, time to first token s or None)
+        self._entries: dict[str, deque[tuple[float, int, float, float | None]]] = {}
+
+    def add(self, model: str, status: int, duration_s: float, ttft_s: float | None) -> None:
+        entries = self._entries.setdefault(model, deque(maxlen=RECENT_MAX))
+        entries.append((time.monotonic(), status, duration_s, ttft_s))
+
+    def summary(self, model: str) -> dict[str, Any]:
+        cutoff = time.monotonic() - RECENT_WINDOW_S
+        entries = [e for e in self._entries.get(model, ()) if e[0] >= cutoff]
+        durations = sorted(e[2] for e in entries)
+        ttfts = sorted(e[3] for e in entries if e[3] is not None)
+        errors = sum(1 for e in entries if e[1] >= 500)
+        client_errors = sum(1 for e in entries if 400 <= e[1] < 500)
+        return {
+            "window_s": RECENT_WINDOW_S,
+            "count": len(entries),
+            "server_errors": errors,
+            "client_errors": client_errors,
+            "error_rate": round(errors / len(entries), 4) if entries else None,
+            "duration_p50_ms": _percentile_ms(durations, 0.5),
+            "duration_p95_ms": _percentile_ms(durations, 0.95),
+            "ttft_p50_ms": _percentile_ms(ttfts, 0.5),
+            "ttft_p95_ms": _percentile_ms(ttfts, 0.95),
+        }
+
+
+def _percentile_ms(ordered: list[float], q: float) -> float | None:
+    if not ordered:
+        return None
+    return round(ordered[min(int(q * len(ordered)), len(ordered) - 1)] * 1000.0, 1)
 
 
 def _endpoint() -> str:
@@ -129,13 +233,36 @@ def start_request(model: str) -> RequestRecorder:
     return recorder
 
 
+async def _model_label() -> str:
+    """The canonical name of the model a refused request named, if it names a served one ("" else:
+    label values must stay the few served names, whatever clients send)."""
+    from gateway.observability.logging_setup import log_context
+
+    known = log_context().get("model")  # set once the route resolved the model
+    if known is not None:
+        return known
+    if request.method != "POST":
+        return ""
+    try:  # the body was read (and cached) by the validation that refused it
+        body = await request.get_json(force=True, silent=True)
+    except HTTPException:  # a body that cannot be read (too large): no model to name
+        return ""
+    name = body.get("model") if isinstance(body, dict) else None
+    if not isinstance(name, str):
+        return ""
+    config = current_app.extensions["gateway"].registry.model(name)
+    return config.name if config is not None else ""
+
+
 async def count_response(response: Response) -> Response:
     """after_request: count /v1 requests that ended before a recorder existed (auth, 400, 404)."""
     recorder: RequestRecorder | None = g.get("request_recorder")
     if recorder is None:
         if request.path.startswith("/v1/"):
+            # 400s name the model they were about; a 404's name may be anything a client typed.
+            model = await _model_label() if response.status_code == 400 else ""
             current_app.extensions["metrics"].requests.labels(
-                "", _endpoint(), str(response.status_code)
+                model, _endpoint(), str(response.status_code)
             ).inc()
     elif response.mimetype != "text/event-stream":
         recorder.finish(response.status_code)  # a no-op when the route already counted it
@@ -159,10 +286,10 @@ class WorkerCollector:
         for name, route in gateway.router.routes.items():
             queue.add_metric([name], route.waiting)
         yield queue
-        pair = ["model", "worker"]
+        pair = ["model", "replica"]
         up = GaugeMetricFamily("gateway_worker_up", "1 if the worker is ready to serve.", labels=pair)
         state = GaugeMetricFamily(
-            "gateway_worker_state", "1 for the worker's current state.", labels=[*pair, "state"]
+            "gateway_worker_state", "1 for the worker's state, 0 for the others.", labels=[*pair, "state"]
         )
         restarts = CounterMetricFamily("gateway_worker_restarts", "Worker restarts.", labels=pair)
         in_flight = GaugeMetricFamily(
@@ -172,13 +299,18 @@ class WorkerCollector:
             "gateway_active_jobs", "Jobs the engine is running (heartbeat).", labels=pair
         )
         queued = GaugeMetricFamily("gateway_worker_queued_jobs", "Jobs queued in the engine.", labels=pair)
+        load = GaugeMetricFamily(
+            "gateway_model_load_duration_seconds",
+            "The worker's last start: loading the weights (phase=load), then warming up (phase=warmup).",
+            labels=[*pair, "phase"],
+        )
         memory = GaugeMetricFamily(
             "gateway_worker_gpu_memory_used_bytes", "GPU memory in use (heartbeat).", labels=[*pair, "device"]
         )
         kv = GaugeMetricFamily("gateway_kv_cache_usage_ratio", "Share of the KV cache in use.", labels=pair)
         per_step = GaugeMetricFamily("gateway_jobs_per_step", "Active jobs per generator step.", labels=pair)
-        for worker in gateway.supervisor.workers.values():
-            labels = [worker.model.name, worker.id]
+        for worker in _one_per_series(gateway.supervisor.workers.values()):
+            labels = [worker.model.name, replica_label(worker)]
             up.add_metric(labels, 1.0 if worker.ready else 0.0)
             for each in WorkerState:
                 state.add_metric([*labels, each.value], 1.0 if worker.state is each else 0.0)
@@ -187,6 +319,9 @@ class WorkerCollector:
             stats = worker.stats
             active.add_metric(labels, stats.active_jobs)
             queued.add_metric(labels, stats.queued_jobs)
+            if worker.ready_message is not None:
+                load.add_metric([*labels, "load"], worker.ready_message.load_s)
+                load.add_metric([*labels, "warmup"], worker.ready_message.warmup_s)
             for device, used in stats.gpu_memory_used_bytes.items():
                 memory.add_metric([*labels, device], used)
             if worker.info is not None:  # figures of a worker whose engine has loaded
@@ -194,4 +329,21 @@ class WorkerCollector:
                 per_step.add_metric(labels, stats.jobs_per_step)
         yield from (up, state, restarts, in_flight, active, queued)
         # Families with no sample (no engine reports them here) are left out rather than empty.
-        yield from (family for family in (memory, kv, per_step) if family.samples)
+        yield from (family for family in (load, memory, kv, per_step) if family.samples)
+
+
+def replica_label(worker: WorkerHandle) -> str:
+    """Stable across restarts and reloads: the replica's index, or a remote worker's own name."""
+    if worker.remote and "@" in worker.id:
+        return worker.id.split("@", 1)[1]
+    return str(worker.replica)
+
+
+def _one_per_series(workers: Any) -> list[WorkerHandle]:
+    """During a reload a retiring worker and its successor share a series: the successor wins."""
+    chosen: dict[tuple[str, str], WorkerHandle] = {}
+    for worker in workers:
+        key = (worker.model.name, replica_label(worker))
+        if key not in chosen or chosen[key].retiring:
+            chosen[key] = worker
+    return list(chosen.values())

@@ -39,6 +39,7 @@ from gateway.errors import (
     WorkerFailed,
     as_api_error,
 )
+from gateway.observability.logging_setup import set_log_context
 from gateway.serving.outputs import ChoiceInput, ChoiceOutput, usage_totals
 from gateway.serving.router import AdmissionStopped
 from wire import messages as wire
@@ -182,6 +183,7 @@ class RequestOwner:
             self.close()
             raise
         self.admitted = True
+        self.recorder.admitted()
         delay = max(self.deadline - time.monotonic(), 0.0)
         self._deadline_timer = asyncio.get_running_loop().call_later(delay, self._on_deadline)
 
@@ -210,6 +212,7 @@ class RequestOwner:
                 )
             if isinstance(reply, wire.Accepted):
                 choice.output.prompt_tokens = reply.prompt_tokens
+                set_log_context(worker=replica.id)  # this request's later lines and its access line
                 return
             choice.end_job(cancel=False)
             if isinstance(reply, wire.Rejected):

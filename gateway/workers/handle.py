@@ -51,6 +51,7 @@ class WorkerHandle:
     retiring: bool = False  # being unloaded or replaced: no restart when it exits
     remote: bool = False  # a worker on another host: joined over tcp, never spawned by us
     key_name: str | None = None  # a remote worker's CURVE key (its certificate's name)
+    lost_since: float | None = None  # when a remote worker was last marked lost
     stale_rids: list[str] = field(default_factory=list)  # ended while it was lost: cancel on rejoin
 
     @property
@@ -62,12 +63,18 @@ class WorkerHandle:
         try:
             check_transition(self.state, state)
         except InvalidTransition as exc:
-            logger.error("worker %s: %s (%s); kept %s", self.id, exc, detail, self.state.value)
+            fields = self._log_fields()
+            logger.error("worker %s: %s (%s); kept %s", self.id, exc, detail, self.state.value, extra=fields)
             return False
         if self.state is not state:
-            logger.info("worker %s: %s -> %s %s", self.id, self.state.value, state.value, detail)
+            fields = self._log_fields()
+            old = self.state.value
+            logger.info("worker %s: %s -> %s %s", self.id, old, state.value, detail, extra=fields)
         self.state, self.detail = state, detail
         return True
+
+    def _log_fields(self) -> dict[str, str]:
+        return {"worker": self.id, "model": self.model.name}
 
     def forget_process(self) -> None:
         """Nothing of a previous process carries over to the next one."""

@@ -7,7 +7,9 @@ link refuses the id from any other key or socket). Membership is bounded: at mos
 all and `max_workers_per_key` per key, and a worker lost for `forget_lost_after_s` is forgotten.
 When no frame arrives for `heartbeat_timeout_s` a worker is `lost` (unready; its requests end with a
 clear error and are never re-sent); when frames arrive again it rejoins, and the jobs it still holds
-for those ended requests are cancelled, so no request runs twice.
+for those ended requests are cancelled, so no request runs twice. A worker that exits on purpose
+(SIGTERM) says so in its last frame (Status `stopped`): it is `lost` at once, and nothing waits for
+the heartbeat timeout.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from gateway.observability.logging_setup import RateLimitedLog
+from gateway.observability.logging_setup import RateLimitedLog, bind_worker_log_context
 from gateway.workers.handle import WorkerHandle
 from gateway.workers.remote_keys import WorkerKey
 from wire import messages as wire
@@ -96,15 +98,35 @@ class RemoteMembers:
         handle.stale_rids.clear()
         self.supervisor.set_state(handle, S.STARTING, "remote worker restarted")
 
+    def departed(self, handle: WorkerHandle, detail: str) -> None:
+        """The worker's last frame before it exits: its requests end now, and it is lost until it
+        (or a new process under its id) says Hello again."""
+        if handle.state is S.LOST:
+            return
+        reason = f"remote worker {handle.id} exited ({detail or 'stopped'})"
+        self.supervisor.fail_requests(handle, reason)
+        handle.last_error = reason
+        handle.stale_rids = []
+        # The goodbye itself is a frame: forget it, or the watch would take the worker for back.
+        self.supervisor.link.last_seen.pop(handle.id, None)
+        self._mark_lost(handle, reason)
+        logger.info("remote worker %s left: %s", handle.id, detail)
+
+    def _mark_lost(self, handle: WorkerHandle, reason: str) -> None:
+        handle.lost_since = time.monotonic()
+        self.supervisor.set_state(handle, S.LOST, reason)
+
     async def _watch(self, handle: WorkerHandle) -> None:
+        bind_worker_log_context(handle.id, handle.model.name)
         server = self.supervisor.registry.server
         link = self.supervisor.link
         while True:
             await asyncio.sleep(min(server.heartbeat_interval_s, 0.5))
             silent_s = time.monotonic() - link.last_seen.get(handle.id, 0.0)
             remote = server.remote_workers
-            if handle.state is S.LOST and remote is not None and silent_s > remote.forget_lost_after_s:
-                logger.info("remote worker %s lost for %.0fs; forgetting it", handle.id, silent_s)
+            lost_for = time.monotonic() - (handle.lost_since or time.monotonic())
+            if handle.state is S.LOST and remote is not None and lost_for > remote.forget_lost_after_s:
+                logger.info("remote worker %s lost for %.0fs; forgetting it", handle.id, lost_for)
                 self.supervisor.forget_remote(handle)
                 return
             # Loading blocks the worker's only thread (no heartbeats), so it gets the start deadline.
@@ -115,7 +137,7 @@ class RemoteMembers:
                 reason = f"lost contact with remote worker {handle.id} (no frame for {silent_s:.0f}s)"
                 self.supervisor.fail_requests(handle, reason)
                 handle.last_error = reason
-                self.supervisor.set_state(handle, S.LOST, reason)
+                self._mark_lost(handle, reason)
             elif handle.state is S.LOST and silent_s < server.heartbeat_interval_s * 3:
                 for rid in handle.stale_rids:
                     link.send(handle.id, wire.Cancel(rid))  # ended on our side: must not run on

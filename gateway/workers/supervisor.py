@@ -21,8 +21,10 @@ from dataclasses import asdict
 from gateway.config.api_keys import API_KEY_VARIABLES
 from gateway.config.registry import ModelConfig, Registry, worker_spec
 from gateway.errors import WorkerFailed
+from gateway.observability.logging_setup import bind_worker_log_context, worker_log_context
 from gateway.serving.worker_link import WorkerLink
 from gateway.workers.handle import WorkerHandle
+from gateway.workers.loads import LoadGate, LoadRefused
 from gateway.workers.remote import RemoteMembers
 from gateway.workers.remote_keys import WorkerKey
 from wire import messages as wire
@@ -48,6 +50,7 @@ class Supervisor:
         self._idle_task: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[None]] = set()
         self.remote = RemoteMembers(self)
+        self.loads = LoadGate(self)
         for model in registry.models:
             self.add(model)
 
@@ -165,16 +168,21 @@ class Supervisor:
         """A lifecycle frame; `key` is the CURVE key of a frame that came over tcp (the link has
         checked that a local id never arrives over tcp, nor a remote id from another key)."""
         handle = self.workers.get(worker_id)
-        if handle is not None and handle.remote != (key is not None):
+        if handle is not None:
+            with worker_log_context(handle.id, handle.model.name):
+                self._on_handle_message(handle, message, key)
+            return
+        if key is not None:
+            self.remote.on_unknown(worker_id, message, key)
+        else:
+            logger.warning("frame from unknown worker %s dropped", worker_id)
+
+    def _on_handle_message(self, handle: WorkerHandle, message: wire.Message, key: WorkerKey | None) -> None:
+        worker_id = handle.id
+        remote = key is not None
+        if handle.remote != remote:
             logger.warning("frame for worker %s on the wrong socket dropped", worker_id)
             return
-        if handle is None:
-            if key is not None:
-                self.remote.on_unknown(worker_id, message, key)
-            else:
-                logger.warning("frame from unknown worker %s dropped", worker_id)
-            return
-        remote = key is not None
         if remote and isinstance(message, wire.Hello):
             self.remote.rejoin(handle, message)
             return
@@ -183,7 +191,10 @@ class Supervisor:
             handle.stats = message.stats
         elif isinstance(message, wire.Status):
             # Frames of a process that has since died may still be queued: only a live one moves on.
-            if message.state is S.DRAINING and handle.state in HOLDS_PROCESS:
+            if message.state is S.STOPPED:
+                if remote:  # a local worker's exit is seen at once by its process watch
+                    self.remote.departed(handle, message.detail)
+            elif message.state is S.DRAINING and handle.state in HOLDS_PROCESS:
                 self.set_state(handle, S.DRAINING, message.detail)
             elif message.state in STARTUP and handle.state in STARTUP:
                 handle.detail, handle.progress = message.detail, message.progress
@@ -209,9 +220,20 @@ class Supervisor:
     # ---- per-worker task ---------------------------------------------------------------------
 
     async def _keep_running(self, handle: WorkerHandle) -> None:
+        bind_worker_log_context(handle.id, handle.model.name)  # every line of this task names the worker
         server = self.registry.server
         backoff = server.restart_backoff_s
         while not (self._stopping or handle.retiring):
+            try:
+                await self.loads.before_spawn(handle)
+            except LoadRefused as exc:
+                handle.last_error = str(exc)
+                logger.error("worker %s not started: %s", handle.id, exc)
+                if handle.state is not S.STARTING:
+                    self.set_state(handle, S.STARTING, "checking before the load")
+                retry = f"POST /admin/models/{handle.model.name}/load to retry"
+                self.set_state(handle, S.FAILED, f"{exc}; {retry}")
+                return
             await self._spawn(handle)
             exit_reason = await self._watch(handle)
             reason = f"{handle.death_cause} ({exit_reason})" if handle.death_cause else exit_reason
@@ -310,6 +332,7 @@ class Supervisor:
 
     def set_state(self, handle: WorkerHandle, state: WorkerState, detail: str) -> None:
         if handle.move_to(state, detail):
+            self.loads.after_state(handle)
             self._on_state(handle)
 
     # ---- helpers -----------------------------------------------------------------------------

@@ -68,10 +68,20 @@ def test_reload_applies_the_difference_without_dropping_requests(
         ],
         shutdown_grace_s=5,
     )
+    started = time.monotonic()
     reply = httpx.post(gateway.url + "/admin/reload", timeout=60)
-    assert reply.status_code == 200, reply.text
+    # At once, while the changed model's old worker still drains: 202 and where to follow it.
+    assert reply.status_code == 202 and time.monotonic() - started < 3, reply.text
     body = reply.json()
     assert body["added"] == ["added"] and body["changed"] == ["change"] and body["unchanged"] == ["keep"]
+    assert body["status"] == "applying" and reply.headers["Location"] == body["progress"]
+    progress = body["progress"]
+    deadline = time.monotonic() + 60
+    while not (view := httpx.get(gateway.url + progress, timeout=5).json())["models_ready"]:
+        assert time.monotonic() < deadline, view
+        time.sleep(0.2)
+    assert view["status"] == "applied" and view["models"] == {"added": "ready", "change": "ready"}
+    assert httpx.get(gateway.url + "/admin/reload", timeout=5).json()["id"] == body["id"]
     wait_state(gateway, "added", "ready")
     changed = wait_state(gateway, "change", "ready")
     assert changed["pid"] != change_pid and changed["info"]["max_seq_len"] == 1024  # type: ignore[index]
@@ -101,7 +111,7 @@ def test_invalid_reload_changes_nothing(setup: tuple[GatewayProcess, Path, Path]
         "models:\n  - {name: broken, engine: transformers, path: x, engine_settings: {max_batch_size: 0}}\n"
     )
     reply = httpx.post(gateway.url + "/admin/reload", timeout=30)
-    assert reply.status_code == 400
+    assert reply.status_code == 400  # refused at once, before anything is applied
     error = reply.json()["error"]
     assert error["code"] == "invalid_config" and "model 'broken'" in error["message"]
     assert {w["model"]: w["pid"] for w in gateway.workers()} == before
@@ -116,8 +126,15 @@ def test_unload_then_load(setup: tuple[GatewayProcess, Path, Path]) -> None:
     assert not pid_alive(int(pid))  # type: ignore[arg-type]
     refused = complete(gateway, "change")
     assert refused.status_code == 503 and "/admin/models/change/load" in refused.json()["error"]["message"]
+    # Unloaded on purpose: the gateway stays ready; the model itself is not.
     ready = httpx.get(gateway.url + "/health/ready", timeout=5)
-    assert ready.status_code == 503 and ready.json()["models"]["change"]["state"] == "unloaded"
+    assert ready.status_code == 200 and ready.json()["models"]["change"]["state"] == "unloaded"
+    assert httpx.get(gateway.url + "/health/ready/change", timeout=5).status_code == 503
+    assert httpx.get(gateway.url + "/health/ready/keep", timeout=5).json() == {
+        "model": "keep",
+        "ready": True,
+        "state": "ready",
+    }
     assert httpx.post(gateway.url + "/admin/models/change/load", timeout=30).status_code == 202
     wait_state(gateway, "change", "ready")
     assert complete(gateway, "change").status_code == 200
@@ -184,9 +201,10 @@ def test_reload_ends_requests_of_a_removed_model_with_their_reason(
         time.sleep(0.3)  # the second request waits for the only slot
         write_registry(config, [demo_entry("keep", demo_model_dir)], shutdown_grace_s=1)
         started = time.monotonic()
-        reply = httpx.post(gateway.url + "/admin/reload", timeout=30)
-        assert reply.status_code == 200 and reply.json()["removed"] == ["going"]
-        assert reply.json()["requests_ended"] == 2
+        # A bounded wait: 200 once applied.
+        reply = httpx.post(gateway.url + "/admin/reload?wait=20", timeout=30)
+        assert reply.status_code == 200 and reply.json()["removed"] == ["going"], reply.text
+        assert reply.json()["status"] == "applied" and reply.json()["requests_ended"] == 2
         waiter.join(10)
         assert "reply" in queued, gateway.log()[-6000:]
         refused = queued["reply"]
@@ -196,3 +214,36 @@ def test_reload_ends_requests_of_a_removed_model_with_their_reason(
         assert events[-1] == "data: [DONE]" and events[-3] == "event: error"
         assert json.loads(events[-2][6:])["error"]["code"] == "model_removed"
         assert complete(gateway, "keep").status_code == 200
+
+
+def test_reload_ends_a_stream_on_a_changed_model_with_model_reloading(
+    tmp_path: Path, demo_model_dir: Path
+) -> None:
+    """A stream still running on a changed model when the drain grace ends gets "model reloading",
+    not "the server is shutting down"; a second reload while one applies is refused with 409."""
+    config = tmp_path / "models.yaml"
+    write_registry(config, [demo_entry("m", demo_model_dir)], shutdown_grace_s=1)
+    with GatewayProcess(config) as gateway:
+        events: list[str] = []
+
+        def stream() -> None:
+            body = {"model": "m", "prompt": "go", "max_tokens": 2000, "ignore_eos": True, "stream": True}
+            with httpx.stream("POST", gateway.url + "/v1/completions", json=body, timeout=60) as response:
+                events.extend(line for line in response.iter_lines() if line.startswith(("data:", "event:")))
+
+        runner = threading.Thread(target=stream)
+        runner.start()
+        deadline = time.monotonic() + 10
+        while not workers_of(gateway, "m")[0]["in_flight"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        write_registry(config, [demo_entry("m", demo_model_dir, max_seq_len=1024)], shutdown_grace_s=1)
+        first = httpx.post(gateway.url + "/admin/reload", timeout=30)
+        assert first.status_code == 202 and first.json()["changed"] == ["m"]
+        second = httpx.post(gateway.url + "/admin/reload", timeout=30)
+        assert second.status_code == 409 and second.json()["error"]["code"] == "reload_in_progress"
+        runner.join(15)
+        assert events[-1] == "data: [DONE]" and events[-3] == "event: error", events[-3:]
+        error = json.loads(events[-2][6:])["error"]
+        assert error["code"] == "model_reloading" and "reloading with new settings" in error["message"]
+        view = httpx.get(gateway.url + first.json()["progress"], timeout=5).json()
+        assert view["requests_ended"] == 1 or view["status"] == "applying"

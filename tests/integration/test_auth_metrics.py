@@ -90,7 +90,9 @@ def chat(gw: GatewayProcess, key: str, model: str, **extra: Any) -> httpx.Respon
 
 def test_live_is_open_everything_else_needs_a_key(gateway: GatewayProcess) -> None:
     assert get(gateway, "/health/live").status_code == 200
-    for path in ("/v1/models", "/health/ready", "/metrics", "/admin/workers"):
+    # Readiness too, for load balancers: ready or not, and nothing about the models.
+    assert get(gateway, "/health/ready").json() == {"status": "ready"}
+    for path in ("/v1/models", "/health/ready/demo-a", "/metrics", "/admin/workers"):
         response = get(gateway, path)
         assert response.status_code == 401, path
         assert response.json()["error"] == {
@@ -150,6 +152,8 @@ def test_keys_file_edit_is_picked_up_without_restart(gateway: GatewayProcess) ->
 
 def test_metrics_after_requests(gateway: GatewayProcess) -> None:
     assert chat(gateway, ALICE, "demo-a").status_code == 200
+    assert chat(gateway, ALICE, "demo-a", temperature=7).status_code == 400  # refused by the schema
+    assert chat(gateway, ALICE, "demo-a", max_tokens=100_000).status_code == 400  # refused by the worker
     stream = {"stream": True, "stream_options": {"include_usage": True}}
     with httpx.stream(
         "POST",
@@ -173,22 +177,32 @@ def test_metrics_after_requests(gateway: GatewayProcess) -> None:
     assert value(requests, model="demo-a", endpoint="/v1/chat/completions", status="200") >= 2
     assert value(requests, model="demo-b", endpoint="/v1/chat/completions", status="200") >= 1
     assert value(requests, model="", endpoint="/v1/models", status="401") >= 1
+    assert value(requests, model="demo-a", endpoint="/v1/chat/completions", status="400") >= 2
+    assert value("process_resident_memory_bytes") > 0 and value("process_cpu_seconds_total") > 0
     for model in ("demo-a", "demo-b"):
         assert value("gateway_time_to_first_token_seconds_count", model=model) >= 1
         assert value("gateway_time_to_first_token_seconds_bucket", model=model, le="+Inf") >= 1
         assert value("gateway_request_duration_seconds_count", model=model) >= 1
         assert value("gateway_prompt_tokens_total", model=model) > 0
         assert value("gateway_completion_tokens_total", model=model) > 0
-        worker = f"{model}#0"
-        assert value("gateway_worker_up", model=model, worker=worker) == 1
-        assert value("gateway_worker_state", model=model, worker=worker, state="ready") == 1
-        assert value("gateway_worker_state", model=model, worker=worker, state="failed") == 0
-        assert ("gateway_worker_restarts_total", frozenset({("model", model), ("worker", worker)})) in samples
+        # Queue time apart from time to first token; the engine's phases of each finished job.
+        phases = ("request_queue_time", "engine_queue_time", "request_prefill_time", "request_decode_time")
+        for phase in phases:
+            assert value(f"gateway_{phase}_seconds_count", model=model) >= 1, phase
+        pair = {("model", model), ("replica", "0")}  # the replica's index: stable across restarts
+        assert value("gateway_worker_up", **dict(pair)) == 1
+        assert value("gateway_worker_state", **dict(pair), state="ready") == 1
+        for state in ("failed", "unloaded", "lost", "stopped", "restarting", "draining"):
+            assert ("gateway_worker_state", frozenset({*pair, ("state", state)})) in samples
+            assert value("gateway_worker_state", **dict(pair), state=state) == 0
+        assert value("gateway_model_load_duration_seconds", **dict(pair), phase="load") > 0
+        assert ("gateway_model_load_duration_seconds", frozenset({*pair, ("phase", "warmup")})) in samples
+        assert ("gateway_worker_restarts_total", frozenset(pair)) in samples
         assert ("gateway_queue_depth", frozenset({("model", model)})) in samples
-        assert ("gateway_active_jobs", frozenset({("model", model), ("worker", worker)})) in samples
+        assert ("gateway_active_jobs", frozenset(pair)) in samples
         # Engine figures travel with heartbeats: batching use and KV-cache use (GPU memory on GPU workers).
-        assert ("gateway_jobs_per_step", frozenset({("model", model), ("worker", worker)})) in samples
-        assert ("gateway_kv_cache_usage_ratio", frozenset({("model", model), ("worker", worker)})) in samples
+        assert ("gateway_jobs_per_step", frozenset(pair)) in samples
+        assert ("gateway_kv_cache_usage_ratio", frozenset(pair)) in samples
     assert value("gateway_inter_token_latency_seconds_count", model="demo-b") >= 1
 
 

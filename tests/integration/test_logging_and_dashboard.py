@@ -151,6 +151,56 @@ def test_access_log_lines(gateway: GatewayProcess) -> None:
     assert USER_KEY not in text and ADMIN_KEY not in text  # names only, never the keys
 
 
+def test_access_lines_carry_the_generation_and_the_real_outcome(gateway: GatewayProcess) -> None:
+    assert completion(gateway, "gen-1", max_tokens=6, ignore_eos=True).status_code == 200
+    line = wait_for_entry(
+        gateway, lambda e: e["logger"] == "gateway.access" and e.get("request_id") == "gen-1"
+    )
+    assert line["prompt_tokens"] > 0 and line["completion_tokens"] == 6 and line["finish_reason"] == "length"
+    assert line["ttft_ms"] > 0 and line["worker"] == "demo-a#0" and line["client"] == "127.0.0.1"
+    assert "tokens=" in line["message"] and "finish=length" in line["message"]
+
+    # A stream that fails midway (its deadline passes after the first tokens): the line says 408, not
+    # the 200 its headers carried.
+    headers = bearer(USER_KEY) | {"X-Request-ID": "cut-1"}
+    body = {
+        "model": "demo-a",
+        "prompt": "go",
+        "max_tokens": 1500,
+        "ignore_eos": True,
+        "stream": True,
+        "timeout": 1,
+    }
+    with httpx.stream("POST", gateway.url + "/v1/completions", json=body, headers=headers, timeout=60) as r:
+        assert r.status_code == 200
+        text = r.read().decode()
+    assert "event: error" in text and "request_timeout" in text
+    cut = wait_for_entry(
+        gateway, lambda e: e["logger"] == "gateway.access" and e.get("request_id") == "cut-1"
+    )
+    assert cut["status"] == 408 and cut["completion_tokens"] > 0
+
+    # A non-streaming request whose client gives up: its line is 499, not missing.
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(
+            gateway.url + "/v1/completions",
+            json={"model": "demo-a", "prompt": "go", "max_tokens": 1500, "ignore_eos": True},
+            headers=bearer(USER_KEY) | {"X-Request-ID": "gone-1"},
+            timeout=httpx.Timeout(60, read=0.5),
+        )
+    gone = wait_for_entry(
+        gateway, lambda e: e["logger"] == "gateway.access" and e.get("request_id") == "gone-1"
+    )
+    assert gone["status"] == 499 and gone["model"] == "demo-a"
+
+
+def test_supervisor_lines_name_worker_and_model(gateway: GatewayProcess) -> None:
+    entries = [e for e in log_entries(gateway) if e["logger"].startswith("gateway.workers")]
+    spawned = [e for e in entries if e["message"].startswith("spawned worker")]
+    assert {e["model"] for e in spawned} == set(MODELS)
+    assert all(e["worker"] == f"{e['model']}#0" for e in entries), entries
+
+
 def test_no_prompt_text_in_the_log(gateway: GatewayProcess) -> None:
     marker = f"zebra-{uuid.uuid4().hex}"
     assert completion(gateway, "prompt-1", prompt=f"say {marker}").status_code == 200
@@ -253,4 +303,50 @@ def test_dashboard_shows_workers_and_throughput(gateway: GatewayProcess, browser
         for entry in browser.get_log("browser")
         if "Content Security Policy" in entry["message"] or "Uncaught" in entry["message"]
     ]
+    assert not problems, problems
+
+
+def test_dashboard_acts_and_shows_error_rates(gateway: GatewayProcess, browser: Any) -> None:
+    """With the admin key (typed in by the test above, kept in the tab), the page unloads, loads and
+    reloads, and shows each model's error rate and latency over the last minutes."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    browser.get(gateway.url + "/dashboard")
+    wait = WebDriverWait(browser, 60, poll_frequency=0.2)
+    row = '#models tbody tr[data-model="demo-b"]'
+
+    def state(driver: Any) -> str:
+        texts = cell_texts(driver, f"{row} td.state .badge")
+        return texts[0] if texts else ""
+
+    wait.until(lambda d: state(d) == "ready")
+    browser.find_element(By.CSS_SELECTOR, f"{row} button.unload").click()
+    wait.until(lambda d: d.switch_to.alert).accept()  # "Unload demo-b? ..."
+    wait.until(lambda d: state(d) == "unloaded")
+    wait.until(lambda d: "unload demo-b: done (HTTP 200)" in d.find_element(By.ID, "action").text)
+    assert (
+        httpx.get(gateway.url + "/health/ready/demo-b", headers=bearer(USER_KEY), timeout=5).status_code
+        == 503
+    )
+
+    refused = completion(gateway, "dash-unloaded", model="demo-b")
+    assert refused.status_code == 503  # a server-side failure: the error rate shows it
+    wait.until(lambda d: cell_texts(d, f"{row} td.error-rate") not in ([], ["—"], ["0.0%"]))
+    assert "bad-rate" in browser.find_element(By.CSS_SELECTOR, f"{row} td.error-rate").get_attribute("class")
+    latency = cell_texts(browser, '#models tbody tr[data-model="demo-a"] td.latency')[0]
+    assert re.fullmatch(r"[\d.]+ m?s / [\d.]+ m?s", latency), latency
+
+    browser.find_element(By.CSS_SELECTOR, f"{row} button.load").click()
+    wait.until(lambda d: state(d) == "ready")
+    assert completion(gateway, "dash-back", model="demo-b").status_code == 200
+
+    browser.find_element(By.ID, "reload").click()
+    wait.until(lambda d: d.switch_to.alert).accept()
+    wait.until(
+        lambda d: re.search(
+            r"reload \d+ applying: added 0, changed 0, removed 0", d.find_element(By.ID, "action").text
+        )
+    )
+    problems = [e["message"] for e in browser.get_log("browser") if "Uncaught" in e["message"]]
     assert not problems, problems

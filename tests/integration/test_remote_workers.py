@@ -31,7 +31,7 @@ def wait_for(predicate, timeout: float, what: str) -> None:  # type: ignore[no-u
 
 
 class Setup:
-    def __init__(self, root: Path, model_dir: Path) -> None:
+    def __init__(self, root: Path, model_dir: Path, heartbeat_timeout_s: float = 2) -> None:
         self.keys = root / "keys"
         subprocess.run(
             [
@@ -60,7 +60,7 @@ class Setup:
         self.config = write_registry(
             root / "models.yaml",
             [demo_entry("local", model_dir), demo_entry("far", model_dir, remote=True)],
-            heartbeat_timeout_s=2,
+            heartbeat_timeout_s=heartbeat_timeout_s,
             remote_workers={
                 "bind": f"tcp://127.0.0.1:{self.port}",
                 "secret_key_file": str(self.keys / "gateway.key_secret"),
@@ -69,12 +69,12 @@ class Setup:
         )
         self.root = root
 
-    def worker(self, name: str, key: str) -> subprocess.Popen[bytes]:
+    def worker(self, name: str, key: str, *extra: str) -> subprocess.Popen[bytes]:
         cmd = [
             sys.executable, "-m", "model_worker", "--connect", f"tcp://127.0.0.1:{self.port}",
             "--config", str(self.config), "--model", "far", "--worker-id", name,
             "--curve-secret-key", str(self.keys / f"{key}.key_secret"),
-            "--gateway-public-key", str(self.keys / "gateway.key"),
+            "--gateway-public-key", str(self.keys / "gateway.key"), *extra,
         ]  # fmt: skip
         with open(self.root / f"{name}.log", "wb") as log:  # the child keeps its own copy of the fd
             return subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)
@@ -200,3 +200,39 @@ def test_tcp_listener_without_authorized_keys_refuses_to_start(setup: Setup, tmp
     )
     assert result.returncode == 2
     assert "no authorized worker keys" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_worker_that_exits_on_sigterm_says_so(tmp_path: Path, demo_model_dir: Path) -> None:
+    """No request waits for the heartbeat timeout (30 s here) when a remote worker stops on purpose:
+    its last frame tells the gateway, which ends what it held and refuses new requests at once."""
+    setup = Setup(tmp_path, demo_model_dir, heartbeat_timeout_s=30)
+    with GatewayProcess(setup.config, wait_ready=False) as gateway:
+        wait_for(lambda: _live(gateway), 60, "the gateway")
+        worker = setup.worker("far@leaving", "good", "--shutdown-grace-s", "1", "--log-format", "json")
+        try:
+            wait_for(lambda: _state(gateway, "far@leaving") == "ready", 60, "the remote worker")
+            body = {"model": "far", "prompt": "go", "max_tokens": 1500, "ignore_eos": True, "stream": True}
+            with httpx.stream("POST", gateway.url + "/v1/completions", json=body, timeout=30) as response:
+                lines = response.iter_lines()
+                next(lines)
+                worker.send_signal(signal.SIGTERM)
+                started = time.monotonic()
+                events = [line for line in lines if line.startswith(("event:", "data:"))]
+            assert events[-3] == "event: error"  # its drain grace (1 s) ran out
+            # Sent while the worker drains: answered when it leaves, not after a heartbeat timeout.
+            refused = httpx.post(
+                gateway.url + "/v1/completions", json={"model": "far", "prompt": "x"}, timeout=30
+            )
+            assert refused.status_code == 503, refused.text
+            assert worker.wait(10) == 0
+            assert time.monotonic() - started < 8
+            wait_for(lambda: _state(gateway, "far@leaving") == "lost", 5, "the worker to be marked lost")
+            (info,) = [w for w in gateway.workers() if w["id"] == "far@leaving"]
+            assert "exited (stopped on request)" in info["last_error"]
+            # --log-format json: every line the worker wrote is one JSON object naming it.
+            lines = (setup.root / "far@leaving.log").read_text().splitlines()
+            entries = [json.loads(line) for line in lines if line.strip()]
+            assert entries and all(e["worker"] == "far@leaving" and e["model"] == "far" for e in entries)
+        finally:
+            worker.kill()
+            worker.wait(10)

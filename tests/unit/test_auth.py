@@ -28,6 +28,7 @@ from gateway.config.api_keys import (
 from gateway.config.registry import ConfigError, Registry, parse_registry
 from gateway.http.app import create_app
 from gateway.http.auth import Authenticator, TokenBucket
+from wire.states import WorkerState
 
 ALICE = "alice-key-0123456789"
 ADMIN = "admin-key-0123456789"
@@ -231,7 +232,9 @@ def call(app: Quart, method: str, path: str, key: str | None = None, **kwargs: A
 
 def test_hook_denies_by_default(app: Quart) -> None:
     assert call(app, "GET", "/health/live")[0] == 200
-    for path in ("/v1/models", "/health/ready", "/metrics", "/admin/workers", "/no/such/route"):
+    # Load balancers probe readiness without a key; they learn nothing about models.
+    assert call(app, "GET", "/health/ready")[:2] == (503, {"status": "not_ready"})
+    for path in ("/v1/models", "/health/ready/alpha", "/metrics", "/admin/workers", "/no/such/route"):
         status, body, headers = call(app, "GET", path)
         assert status == 401 and body["error"]["code"] == "invalid_api_key", path
         assert headers["WWW-Authenticate"] == "Bearer"
@@ -252,7 +255,12 @@ def test_hook_scopes_models_and_admin(app: Quart) -> None:
     status, body, _ = call(app, "GET", "/admin/workers", key=ALICE)
     assert status == 403 and body["error"]["code"] == "permission_denied"
     assert call(app, "GET", "/admin/workers", key=ADMIN)[0] == 200
-    assert call(app, "GET", "/health/ready", key=ALICE)[0] == 503  # authorized; workers not started
+    status, body, _ = call(app, "GET", "/health/ready", key=ALICE)
+    assert status == 503 and list(body["models"]) == ["alpha"]  # workers not started; only its models
+    status, body, _ = call(app, "GET", "/health/ready/alpha", key=ALICE)
+    assert status == 503 and body == {"model": "alpha", "ready": False, "state": "starting"}
+    for model in ("beta", "no-such-model"):  # the same answer: a key cannot probe for models
+        assert call(app, "GET", f"/health/ready/{model}", key=ALICE)[1]["error"]["code"] == "model_not_found"
 
 
 def test_hook_rate_limit(app: Quart) -> None:
@@ -276,9 +284,13 @@ def test_metrics_per_app_registry(app: Quart, tmp_path: Path) -> None:
         }
         assert requests[("", "/v1/models", "200")] == 1
         states = {
-            (s.labels["worker"], s.labels["state"]): s.value for s in families["gateway_worker_state"].samples
+            (s.labels["model"], s.labels["replica"], s.labels["state"]): s.value
+            for s in families["gateway_worker_state"].samples
         }
-        assert states[("alpha#0", "starting")] == 1 and states[("alpha#0", "ready")] == 0
+        assert states[("alpha", "0", "starting")] == 1 and states[("alpha", "0", "ready")] == 0
+        # Every state has its sample, 0 or 1: a dashboard can sum any of them.
+        assert {state for _, _, state in states} == {s.value for s in WorkerState}
+        assert "process_cpu_seconds_total" in text.decode()
         assert {s.labels["model"] for s in families["gateway_queue_depth"].samples} == {"alpha", "beta"}
         assert "gateway_kv_cache_usage_ratio" not in families  # no engine reported it
     finally:

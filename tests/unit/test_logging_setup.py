@@ -182,7 +182,9 @@ def test_access_line_and_request_id(log_stream: io.StringIO) -> None:
     assert status == 200 and response_headers["X-Request-ID"] == "client-id-1"
     assert json.loads(body)["context"] == {"request_id": "client-id-1", "model": "demo"}
     (line,) = access_lines(log_stream)
-    assert line["message"] == f"POST /generate 200 {line['duration_ms']:.1f}ms key=alice"
+    # Quart's test client has no socket: its client address is "<local>".
+    assert line["message"] == f"POST /generate 200 {line['duration_ms']:.1f}ms key=alice client=<local>"
+    assert line["client"] == "<local>"
     assert line["request_id"] == "client-id-1" and line["model"] == "demo" and line["key_name"] == "alice"
     assert line["method"] == "POST" and line["path"] == "/generate" and line["status"] == 200
     output = log_stream.getvalue()

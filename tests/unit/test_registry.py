@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.config.registry import ConfigError, load_registry
+from gateway.config.registry import ConfigError, load_registry, worker_spec
 from tests.harness import REPO_ROOT
 
 
@@ -151,14 +151,83 @@ def test_check_config_cli_reports_cleanly(tmp_path: Path) -> None:
     assert str(bad) in result.stderr
     assert "Traceback" not in result.stderr + result.stdout
 
+    # The shipped demo registry, validated for a host where `make serve` has made its models.
     good = subprocess.run(
-        [sys.executable, "-m", "gateway", "check-config", str(REPO_ROOT / "config/models.yaml")],
+        [
+            sys.executable,
+            "-m",
+            "gateway",
+            "check-config",
+            str(REPO_ROOT / "config/models.yaml"),
+            "--allow-missing",
+        ],  # noqa: E501
         capture_output=True,
         text=True,
         cwd=REPO_ROOT,
     )
     assert good.returncode == 0, good.stderr
     assert "ok: demo-small" in good.stdout
+
+
+def check_config(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "gateway", "check-config", *args],
+        capture_output=True,
+        text=True,
+        cwd=REPO_ROOT,
+    )
+
+
+def test_check_config_fails_on_what_this_host_lacks(tmp_path: Path) -> None:
+    (tmp_path / "here").mkdir()
+    entry = "{name: %s, engine: transformers, path: %s}"
+    models = f"  - {entry % ('present', 'here')}\n  - {entry % ('absent', 'gone')}\n"
+    config = write(tmp_path, "models:\n" + models)
+    missing = check_config(str(config))
+    assert missing.returncode == 2 and "Traceback" not in missing.stderr
+    assert f"{config}: model 'absent', field 'path': {tmp_path / 'gone'} is not a folder" in missing.stderr
+    assert "'present'" not in missing.stderr and "--allow-missing" in missing.stderr
+    allowed = check_config(str(config), "--allow-missing")
+    assert allowed.returncode == 0 and "not checked on this host (--allow-missing)" in allowed.stdout
+    # GPU indices this host does not have (this test host has no GPU at all, or fewer than 64).
+    gpus = write(tmp_path, "models:\n  - {name: big, path: here, gpus: [63]}\n")
+    refused = check_config(str(gpus))
+    assert refused.returncode == 2 and "model 'big': gpus [63]" in refused.stderr
+    assert "GPU 63 does not exist" in refused.stderr
+    assert check_config(str(gpus), "--allow-missing").returncode == 0
+
+
+def test_env_and_variables(tmp_path: Path) -> None:
+    text = (
+        "models:\n  - name: m\n    engine: transformers\n    path: ${MODEL_ROOT}/m\n"
+        "    env: {OMP_NUM_THREADS: '${THREADS:-2}', GREETING: 'cost $$5'}\n"
+    )
+    registry = load_registry(write(tmp_path, text), environ={"MODEL_ROOT": "/srv/models"})
+    model = registry.models[0]
+    assert model.path == Path("/srv/models/m")
+    assert model.env == {"OMP_NUM_THREADS": "2", "GREETING": "cost $5"}
+    assert worker_spec(model, 1.0).env == model.env
+    with pytest.raises(ConfigError, match=r"model 'm', field 'path': \$\{MODEL_ROOT\} is not set"):
+        load_registry(write(tmp_path, text), environ={})
+    with pytest.raises(ConfigError, match="model 'm', field 'env': CUDA_VISIBLE_DEVICES is set by"):
+        load_registry(write(tmp_path, "models:\n  - {name: m, path: x, env: {CUDA_VISIBLE_DEVICES: '1'}}\n"))
+
+
+def test_exclusive_groups_start_one_model(tmp_path: Path) -> None:
+    entry = "  - {name: %s, path: x, gpus: [0], exclusive_group: g}\n"
+    two = "models:\n" + entry % "a" + entry % "b"
+    with pytest.raises(ConfigError, match=r"exclusive_group 'g': models \['a', 'b'\] are all `load: st"):
+        load_registry(write(tmp_path, two))
+    fine = load_registry(write(tmp_path, two.replace("{name: b", "{load: on_demand, name: b")))
+    assert [m.exclusive_group for m in fine.models] == ["g", "g"]
+
+
+def test_hub_paths(tmp_path: Path) -> None:
+    text = "server: {model_cache_dir: cache}\nmodels:\n  - {name: q, engine: transformers, path: 'hf://Org/Model-1@v2'}\n"
+    model = load_registry(write(tmp_path, text)).models[0]
+    assert str(model.hub) == "hf://Org/Model-1@v2" and model.path == tmp_path / "cache/Org--Model-1/v2"
+    with pytest.raises(ConfigError, match=r"model 'q', field 'path': 'hf://nope' is not hf://ORG/NAME"):
+        load_registry(write(tmp_path, text.replace("Org/Model-1@v2", "nope")))
 
 
 def test_remote_model_needs_a_listener(tmp_path: Path) -> None:

@@ -113,6 +113,8 @@ async def rig(tmp_path: Path, ready: tuple[str, ...] = ("w0",), **service: float
     handles = [WorkerHandle(f"w{i}", config, replica=i) for i in range(2)]
     for handle in handles:
         handle.state = WorkerState.READY if handle.id in ready else WorkerState.LOADING
+    for handle in handles:
+        link.expect_local(handle.id)  # as the supervisor does before it spawns a worker
     ctx = zmq.asyncio.Context()
     peers = {h.id: Peer(ctx, endpoint, h.id) for h in handles}
     for worker_id, peer in peers.items():  # the ROUTER learns each identity from its first frame

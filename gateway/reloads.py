@@ -1,0 +1,132 @@
+"""Registry reloads that answer at once: each reload is a record that operators can follow.
+
+Runs in the gateway process, on its asyncio loop. Owns the one reload that may run at a time, its
+background task, and the last few reloads' records. `POST /admin/reload` and SIGHUP start one:
+the new file is read and validated first (an invalid file changes nothing and is refused at
+once), then `Gateway.apply_registry` runs in the background while `GET /admin/reload/{id}`
+shows its progress: the changes, how many requests it ended, and the state of every model it
+starts. A reload is `applying` while old workers drain, then `applied` (every new worker
+launched); `models_ready` says when every model it started is serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gateway.config.registry import ConfigError, Registry, load_registry
+from gateway.core import Gateway
+from gateway.errors import Conflict
+from wire.states import WorkerState
+
+logger = logging.getLogger(__name__)
+KEPT_RECORDS = 10
+CHANGE_KINDS = ("added", "removed", "changed", "unchanged")
+
+
+@dataclass(eq=False)
+class ReloadRecord:
+    id: int
+    source: Path
+    changes: dict[str, list[str]]
+    started_at: float = field(default_factory=time.time)
+    state: str = "applying"  # applying -> applied | failed
+    requests_ended: int = 0
+    error: str | None = None
+    finished_at: float | None = None
+    task: asyncio.Task[None] | None = None
+
+    def view(self, gateway: Gateway) -> dict[str, Any]:
+        starting = self.changes["added"] + self.changes["changed"]
+        routes = gateway.router.routes
+        models = {
+            name: routes[name].state.value for name in starting if name in routes
+        }  # a later reload may have removed one
+        serving = [routes[n] for n in models if routes[n].config.load == "startup"]
+        return {
+            "id": self.id,
+            "status": self.state,
+            "source": str(self.source),
+            **self.changes,
+            "requests_ended": self.requests_ended,
+            "models": models,
+            "models_ready": self.state == "applied"
+            and all(route.state is WorkerState.READY for route in serving),
+            "error": self.error,
+            "started_at": self.started_at,
+            "finished_at": self.finished_at,
+            "progress": f"/admin/reload/{self.id}",
+        }
+
+
+class ReloadInProgress(Conflict):
+    code = "reload_in_progress"
+
+
+class Reloads:
+    def __init__(self, gateway: Gateway, on_applied: Callable[[Registry], None]) -> None:
+        self.gateway = gateway
+        self.on_applied = on_applied  # e.g. the API keys' model scopes follow the new registry
+        self.records: dict[int, ReloadRecord] = {}
+        self._next_id = 1
+        self._running: ReloadRecord | None = None
+
+    @property
+    def latest(self) -> ReloadRecord | None:
+        return self.records[max(self.records)] if self.records else None
+
+    async def start(self) -> ReloadRecord:
+        """Validate the registry file and start applying it; ConfigError if it is invalid,
+        ReloadInProgress while another reload applies."""
+        source = self.gateway.registry.source
+        if source is None:
+            raise ConfigError("the running registry was not loaded from a file")
+        if self._running is not None:
+            running = self._running.id
+            raise ReloadInProgress(f"reload {running} is still applying; follow /admin/reload/{running}")
+        # Claimed before the first await, so a second caller sees it.
+        record = ReloadRecord(self._next_id, source, {k: [] for k in CHANGE_KINDS})
+        self._running = record
+        try:
+            # Reading runs the engines' settings check in a child process: off the event loop.
+            new = await asyncio.to_thread(load_registry, source)
+        except BaseException:
+            self._running = None
+            raise
+        self._next_id += 1
+        record.changes = self.gateway.plan(new)
+        self.records[record.id] = record
+        for old in sorted(self.records)[:-KEPT_RECORDS]:
+            del self.records[old]
+        record.task = asyncio.create_task(self._apply(record, new), name=f"reload-{record.id}")
+        return record
+
+    async def _apply(self, record: ReloadRecord, new: Registry) -> None:
+        try:
+            result = await self.gateway.apply_registry(new)
+            record.requests_ended = int(result["requests_ended"])
+            self.on_applied(self.gateway.registry)
+            record.state = "applied"
+        except Exception as exc:  # logged and shown in the record; the gateway keeps serving
+            logger.exception("reload %d failed", record.id)
+            record.state, record.error = "failed", f"{type(exc).__name__}: {exc}"
+        finally:
+            record.finished_at = time.time()
+            self._running = None
+
+    async def wait(self, record: ReloadRecord, timeout_s: float) -> bool:
+        """Wait up to timeout_s for the record's apply to finish; True if it did."""
+        if record.task is None:
+            return True
+        done, _ = await asyncio.wait({record.task}, timeout=timeout_s)
+        return bool(done)
+
+    async def stop(self) -> None:
+        if self._running is not None and self._running.task is not None:
+            self._running.task.cancel()
+            await asyncio.gather(self._running.task, return_exceptions=True)
