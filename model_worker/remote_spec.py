@@ -62,4 +62,5 @@ def remote_spec(config: str | Path, model: str) -> WorkerSpec:
         engine_settings=report["engine_settings"],
         chat_template=template,
         heartbeat_interval_s=float(server.get("heartbeat_interval_s", DEFAULT_HEARTBEAT_INTERVAL_S)),
+        task=str(entry.get("task", "generate")),
     )
