@@ -25,6 +25,9 @@ from pydantic import (
 
 from wire.params import DEFAULT_ENGINE, DEFAULT_HEARTBEAT_INTERVAL_S, DEFAULT_MAX_SEQ_LEN, WorkerSpec
 
+# Tool-call output formats the gateway can read (gateway.tools.parsers implements each).
+ToolCallParserName = Literal["hermes", "qwen", "llama3_json", "mistral"]
+
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -85,6 +88,16 @@ class ModelConfig(_Strict):
         default_factory=dict,
         description="The engine's own settings (batch size, cache, ...); its settings model validates them.",
     )
+    task: Literal["generate", "embed"] = Field(
+        "generate",
+        description="generate: chat and completions. embed: /v1/embeddings only (transformers engine, "
+        "a sentence-transformers model folder).",
+    )
+    tool_call_parser: ToolCallParserName | None = Field(
+        None,
+        description="How tool calls are read from this model's output (tool_choice auto): hermes, "
+        "qwen, llama3_json or mistral. Without one, tool_choice auto is refused.",
+    )
     # Set from the engine's settings after they are checked (gateway.config.engine_check).
     _weight_dirs: tuple[Path, ...] = PrivateAttr(default=())
     _reserve_vram_gb: float = PrivateAttr(default=0.0)
@@ -107,6 +120,14 @@ class ModelConfig(_Strict):
     @property
     def reserve_vram_gb(self) -> float:
         return self._reserve_vram_gb
+
+    @model_validator(mode="after")
+    def _embedding_engine(self) -> ModelConfig:
+        if self.task == "embed" and self.engine != "transformers":
+            raise ValueError("task embed runs on the transformers engine only")
+        if self.task == "embed" and self.tool_call_parser is not None:
+            raise ValueError("an embedding model has no tool_call_parser")
+        return self
 
     @model_validator(mode="after")
     def _replicas_have_gpus(self) -> ModelConfig:
@@ -260,6 +281,7 @@ def worker_spec(model: ModelConfig, heartbeat_interval_s: float) -> WorkerSpec:
         engine_settings=dict(model.engine_settings),
         chat_template=model.chat_template,
         heartbeat_interval_s=heartbeat_interval_s,
+        task=model.task,
     )
 
 
