@@ -120,9 +120,11 @@ class ToolSpec:
     parameters: dict[str, Any]
 
     def for_template(self) -> dict[str, Any]:
-        function: dict[str, Any] = {"name": self.name, "parameters": self.parameters}
+        # OpenAI's key order (templates write tools with tojson, so the order is in the prompt).
+        function: dict[str, Any] = {"name": self.name}
         if self.description is not None:
             function["description"] = self.description
+        function["parameters"] = self.parameters
         return {"type": "function", "function": function}
 
 
