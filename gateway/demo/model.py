@@ -28,7 +28,7 @@ EOS_TOKEN = "<|im_end|>"
 # tokenizes without special tokens.
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
-    "{% if tools %}"
+    "{% if tools is defined and tools %}"
     "{{ '<|im_start|>system\\n' }}"
     "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] + '\\n\\n' }}{% endif %}"
     "{{ 'You may call functions. Their signatures are within <tools></tools>:\\n<tools>' }}"
@@ -38,7 +38,7 @@ CHAT_TEMPLATE = (
     " + '\"arguments\": <args-json-object>}\\n</tool_call><|im_end|>\\n' }}"
     "{% endif %}"
     "{% for message in messages %}"
-    "{% if tools and loop.first and message['role'] == 'system' %}"
+    "{% if tools is defined and tools and loop.first and message['role'] == 'system' %}"
     "{% elif message['role'] == 'assistant' and message['tool_calls'] is defined %}"
     "{{ '<|im_start|>assistant\\n' + (message['content'] or '') }}"
     "{% for call in message['tool_calls'] %}"
