@@ -87,7 +87,7 @@ class Worker:
             wire.Cancel: self._on_cancel,
             wire.Tokenize: self._on_tokenize,
             wire.Detokenize: self._on_detokenize,
-            wire.Embed: self._embed_queue.append,
+            wire.Embed: self._on_embed,
             wire.Shutdown: self._on_shutdown,
             wire.Reintroduce: self._on_reintroduce,
         }
@@ -315,10 +315,14 @@ class Worker:
             return
         self._send(wire.Tokens(msg.rid, list(msg.token_ids), self.engine.decode(list(msg.token_ids))))
 
+    def _on_embed(self, msg: wire.Embed) -> None:
+        self._embed_queue.append(msg)  # answered after the socket is drained, batched with the others
+
     def _run_embeddings(self) -> None:
         """Every Embed drained so far, as one batch through the model; one Embeddings reply each."""
         assert self.engine is not None
-        batch, self._embed_queue = self._embed_queue, []
+        batch = list(self._embed_queue)
+        self._embed_queue.clear()
         embed = getattr(self.engine, "embed", None)
         accepted: list[tuple[wire.Embed, list[list[int]]]] = []
         for msg in batch:

@@ -24,8 +24,9 @@ BOS_TOKEN = "<s>"
 EOS_TOKEN = "<|im_end|>"
 # ChatML with Hermes-style tools (as Qwen 2.5 writes them): a system turn lists the tools, calls are
 # `<tool_call>{"name": ..., "arguments": ...}</tool_call>` and results come back in `tool` turns.
-# Without tools it renders plain ChatML. It starts with the BOS token because apply_chat_template
-# tokenizes without special tokens.
+# Without tools it renders plain ChatML; chat_template_kwargs {"enable_thinking": false} adds an
+# empty think block after the generation prompt, as Qwen 3's template does. It starts with the BOS
+# token because apply_chat_template tokenizes without special tokens.
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
     "{% if tools is defined and tools %}"
@@ -52,7 +53,10 @@ CHAT_TEMPLATE = (
     "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
     "{% endif %}"
     "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+    "{% if enable_thinking is defined and not enable_thinking %}"
+    "{{ '<think>\\n\\n</think>\\n\\n' }}{% endif %}"
+    "{% endif %}"
 )
 
 PRESETS: dict[str, dict[str, Any]] = {

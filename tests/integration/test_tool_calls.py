@@ -25,7 +25,8 @@ from tests.integration.conftest import demo_entry, write_registry
 
 PLAIN_CHATML = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] "
-    "+ '<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    "+ '<|im_end|>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 WEATHER = {
     "type": "function",
@@ -88,7 +89,8 @@ def test_named_function_streamed_and_history_with_tool_results(client: openai.Op
     history = [
         *ASK,
         {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
         ]},
         {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"},
         {"role": "user", "content": "And in Rome?"},
@@ -121,7 +123,8 @@ def test_tools_are_rendered_by_the_model_template(gateway: GatewayProcess, demo_
     import httpx
 
     messages = [*ASK, {"role": "assistant", "content": "", "tool_calls": [
-        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}]},
+        {"id": "c1", "type": "function",
+         "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}]},
         {"role": "tool", "tool_call_id": "c1", "content": "rain"}]  # fmt: skip
     got = httpx.post(
         gateway.url + "/v1/tokenize", json={"model": "m", "messages": messages, "tools": [WEATHER]}
