@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from quart import Blueprint, Response, jsonify
 from quart_schema import validate_request
 
@@ -32,6 +32,8 @@ from wire.params import ChatOptions
 
 blueprint = Blueprint("responses", __name__)
 
+# The chat request's fields, by the names this API gives them.
+_CHAT_TO_RESPONSES = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text"}
 _NEEDS_STATE = "this gateway does not store responses (store: false only), so {} cannot be used"
 
 
@@ -95,8 +97,10 @@ class ResponsesRequest(BaseModel):
                 raise InvalidRequest(message, param="input")
             try:
                 messages.append(ChatMessage(role=item["role"], content=item.get("content")))
-            except ValueError as exc:
-                raise InvalidRequest(f"input[{index}]: {exc}", param="input") from None
+            except ValidationError as exc:
+                first = exc.errors()[0]
+                where = ".".join(str(p) for p in first["loc"][:1])
+                raise InvalidRequest(f"input[{index}].{where}: {first['msg']}", param="input") from None
         return messages
 
     def response_format(self) -> dict[str, Any] | None:
@@ -108,6 +112,26 @@ class ResponsesRequest(BaseModel):
             schema = {k: fmt.get(k) for k in ("name", "schema", "strict") if fmt.get(k) is not None}
             return {"type": "json_schema", "json_schema": schema}
         return {"type": fmt.get("type")}
+
+    def as_chat(self) -> ChatCompletionRequest:
+        """The chat request this one is; its validation errors name this request's fields."""
+        try:
+            return ChatCompletionRequest(
+                model=self.model,
+                messages=self.messages(),
+                max_tokens=self.max_output_tokens,
+                temperature=self.temperature,
+                top_p=self.top_p,
+                response_format=self.response_format(),
+                stream=self.stream,
+                timeout=self.timeout,
+            )
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            field = _CHAT_TO_RESPONSES.get(str(first["loc"][0]) if first["loc"] else "", "input")
+            raise InvalidRequest(
+                f"{field}: {first['msg'].removeprefix('Value error, ')}", param=field
+            ) from None
 
     def echoed_settings(self) -> dict[str, Any]:
         return {
@@ -127,16 +151,7 @@ async def responses(data: ResponsesRequest) -> Any:
     data.refuse_what_is_not_honoured()
     route = generation_route(data.model)
     set_log_context(model=route.config.name)
-    chat = ChatCompletionRequest(
-        model=data.model,
-        messages=data.messages(),
-        max_tokens=data.max_output_tokens,
-        temperature=data.temperature,
-        top_p=data.top_p,
-        response_format=data.response_format(),
-        stream=data.stream,
-        timeout=data.timeout,
-    )
+    chat = data.as_chat()
     gateway = current_gateway()
     params = chat.sampling_params(route.config, None)
     deadline = gateway.router.deadline_for(route, data.timeout)
