@@ -21,6 +21,7 @@ from gateway.errors import InvalidRequest
 from gateway.http.current import current_gateway
 from gateway.http.schemas import TokenId
 from gateway.observability.logging_setup import set_log_context
+from gateway.observability.metrics import start_request
 from wire import messages as wire
 
 blueprint = Blueprint("embeddings", __name__)
@@ -73,10 +74,12 @@ async def embeddings(data: EmbeddingRequest) -> Any:
     texts, token_ids = data.inputs()
     size = sum(len(t) // 4 for t in texts or []) + sum(len(ids) for ids in token_ids or [])
     deadline = gateway.router.deadline_for(route, data.timeout)
+    recorder = start_request(route.config.name)  # an error is counted with its status after the route
     reply = await gateway.service.embed(route, wire.Embed(uuid.uuid4().hex, texts, token_ids), size, deadline)
     width = len(reply.vectors[0]) if reply.vectors else 0
     if data.dimensions is not None and data.dimensions != width:
         raise InvalidRequest(f"dimensions must be this model's {width} (no truncation)", param="dimensions")
+    recorder.finish(200, reply.prompt_tokens)
     return jsonify(
         {
             "object": "list",
