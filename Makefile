@@ -23,6 +23,7 @@ $(VENV)/.installed: pyproject.toml
 demo-models: install
 	@test -f $(DEMO_DIR)/demo-small/model.safetensors || $(BIN)/gateway make-demo-model $(DEMO_DIR)/demo-small --preset small --seed 0
 	@test -f $(DEMO_DIR)/demo-medium/model.safetensors || $(BIN)/gateway make-demo-model $(DEMO_DIR)/demo-medium --preset medium --seed 1
+	@test -f $(DEMO_DIR)/demo-embed/modules.json || $(BIN)/gateway make-demo-model $(DEMO_DIR)/demo-embed --embedding --seed 2
 
 # exec: make forwards SIGTERM to this child, and Ctrl-C reaches it directly; the gateway then
 # drains and stops every worker before it exits.

@@ -95,6 +95,12 @@ def _cmd_check_config(args: argparse.Namespace) -> int:
 
 
 def _cmd_make_demo_model(args: argparse.Namespace) -> int:
+    if args.embedding:
+        from gateway.demo.embedding_model import make_demo_embedding_model
+
+        out = make_demo_embedding_model(Path(args.dir), preset=args.preset, seed=args.seed)
+        print(f"wrote {out}")
+        return 0
     from gateway.demo.model import make_demo_model
 
     out = make_demo_model(Path(args.dir), preset=args.preset, seed=args.seed, device=args.device)
@@ -182,6 +188,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--preset", default="small")
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--device", default="cpu")
+    demo.add_argument(
+        "--embedding", action="store_true", help="a sentence-transformers embedding model (mean pooling)"
+    )
     demo.set_defaults(func=_cmd_make_demo_model)
     return parser
 

@@ -14,6 +14,9 @@ class APIError(Exception):
     status = 500
     type = "server_error"
     code: str | None = "internal_error"
+    # False for errors that the same request meets again (bad parameters, a prompt too long, a
+    # deadline): they carry `x-should-retry: false`, which the OpenAI SDKs obey instead of retrying.
+    retryable = True
 
     def __init__(
         self,
@@ -29,6 +32,8 @@ class APIError(Exception):
         if code is not None:
             self.code = code
         self.headers = headers or {}
+        if not self.retryable:
+            self.headers.setdefault("x-should-retry", "false")
 
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.type, self.param, self.code)
@@ -38,6 +43,7 @@ class InvalidRequest(APIError):
     status = 400
     type = "invalid_request_error"
     code = "invalid_request"
+    retryable = False
 
 
 class AuthenticationFailed(APIError):
@@ -70,9 +76,12 @@ class Conflict(APIError):
 
 
 class RequestTimeout(APIError):
+    """The request's own deadline passed; the same request would time out again."""
+
     status = 408
     type = "timeout_error"
     code = "request_timeout"
+    retryable = False
 
 
 class QueueFull(APIError):

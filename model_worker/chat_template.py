@@ -13,7 +13,11 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
+import jinja2.meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+# Variables a request's chat_template_kwargs may not replace: the renderer sets them itself.
+RESERVED_VARIABLES = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"})
 
 
 class TemplateError(ValueError):
@@ -44,13 +48,30 @@ class ChatTemplate:
         env.globals["raise_exception"] = _raise_exception
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         self._template = env.from_string(source)
+        self.source = source
         self.bos_token = bos_token
         self.eos_token = eos_token
+        # A template that never reads `tools` would drop them silently: such a model cannot take tools.
+        self.supports_tools = "tools" in jinja2.meta.find_undeclared_variables(env.parse(source))
 
-    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def render(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        continue_final_message: bool = False,
+        extra: dict[str, Any] | None = None,
+    ) -> str:
+        """The prompt text. `continue_final_message` leaves the last message open for the model to
+        go on with (Hugging Face's semantics: the text is cut right after that message's content)."""
+        reserved = RESERVED_VARIABLES & set(extra or {})
+        if reserved:
+            raise TemplateError(f"chat_template_kwargs may not set {sorted(reserved)}")
         try:
-            return self._template.render(
+            text = self._template.render(
+                **(extra or {}),
                 messages=messages,
+                tools=tools or None,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token,
                 eos_token=self.eos_token,
@@ -59,6 +80,12 @@ class ChatTemplate:
             raise
         except jinja2.TemplateError as exc:
             raise TemplateError(f"chat template failed: {exc}") from None
+        if continue_final_message:
+            final = str(messages[-1].get("content") or "").strip() if messages else ""
+            if not final or final not in text:
+                raise TemplateError("continue_final_message needs a final message with text content")
+            text = text[: text.rindex(final) + len(final)]
+        return text
 
     @classmethod
     def for_model(cls, model_dir: str | Path, override: str | None = None) -> ChatTemplate | None:

@@ -71,4 +71,5 @@ def remote_spec(config: str | Path, model: str) -> WorkerSpec:
         chat_template=template,
         heartbeat_interval_s=float(server.get("heartbeat_interval_s", DEFAULT_HEARTBEAT_INTERVAL_S)),
         env={str(k): str(v) for k, v in (entry.get("env") or {}).items()},
+        task=str(entry.get("task", "generate")),
     )

@@ -61,16 +61,18 @@ class StopStringMatcher:
     def __init__(self, stop: Sequence[str]) -> None:
         self._stop = [s for s in stop if s]
         self._held = ""
+        self.hit = ""  # the stop string found, once one was (include_stop_str_in_output adds it back)
 
     def feed(self, delta: str) -> tuple[str, bool]:
         """Returns (text safe to emit, whether a stop string was hit). After a hit, feed no more."""
         if not self._stop:
             return delta, False
         text = self._held + delta
-        hits = [i for i in (text.find(s) for s in self._stop) if i >= 0]
+        hits = [(i, s) for i, s in ((text.find(s), s) for s in self._stop) if i >= 0]
         if hits:
             self._held = ""
-            return text[: min(hits)], True
+            first, self.hit = min(hits, key=lambda hit: hit[0])
+            return text[:first], True
         keep = self._partial_suffix_len(text)
         self._held = text[len(text) - keep :] if keep else ""
         return text[: len(text) - keep], False

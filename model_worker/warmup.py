@@ -40,3 +40,11 @@ def warm_up(engine: Engine, max_seq_len: int, runs: int) -> float:
         while engine.has_work():
             engine.step()
     return time.monotonic() - started
+
+
+def warm_up_embeddings(engine: Engine) -> float:
+    """An embedding model's warm-up: one short and one longer batch through `embed`."""
+    started = time.monotonic()
+    ids = engine.encode(WARMUP_PROMPT, add_special_tokens=True)
+    engine.embed([ids[:8], ids[:64], ids[:512]])  # type: ignore[attr-defined]
+    return time.monotonic() - started

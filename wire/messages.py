@@ -5,9 +5,9 @@ each once, in wire order) and `PROTOCOL`, the codec that knows them all. Request
 (one engine job, or one tokenize exchange); a worker answers Generate with Accepted or Rejected
 before any Step mentions the job, so the gateway can answer an HTTP error before a stream opens.
 
-gateway -> worker: Generate, Cancel, Tokenize, Detokenize, Shutdown, Reintroduce
-worker -> gateway: Hello, Status, Ready, Accepted, Rejected, Tokens, Step, JobsAborted, Heartbeat,
-                   Fatal
+gateway -> worker: Generate, Cancel, Tokenize, Detokenize, Embed, Shutdown, Reintroduce
+worker -> gateway: Hello, Status, Ready, Accepted, Rejected, Tokens, Embeddings, Step, JobsAborted,
+                   Heartbeat, Fatal
 """
 
 from __future__ import annotations
@@ -16,13 +16,13 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from wire.codec import Codec, Message
-from wire.params import ChatMessage, SamplingParams
+from wire.params import ChatMessage, ChatOptions, SamplingParams
 from wire.results import AbortReason, JobOutput, RejectCode
 from wire.states import WorkerState
-from wire.stats import EngineInfo, EngineStats
+from wire.stats import EngineInfo, EngineStats, TokenizerInfo
 
 # Sent in Hello; a gateway refuses a worker that speaks another version.
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 # ---- gateway -> worker -------------------------------------------------------------------------
 
@@ -36,6 +36,7 @@ class Generate(Message):
     prompt_token_ids: list[int] | None
     messages: list[ChatMessage] | None
     params: SamplingParams
+    chat: ChatOptions | None = None  # with messages: tools and the template's switches
     TAG: ClassVar[str] = "gen"
 
     def check(self) -> None:
@@ -58,6 +59,7 @@ class Tokenize(Message):
     prompt: str | None
     messages: list[ChatMessage] | None
     add_special_tokens: bool
+    chat: ChatOptions | None = None
     TAG: ClassVar[str] = "tok"
 
 
@@ -66,6 +68,21 @@ class Detokenize(Message):
     rid: str
     token_ids: list[int]
     TAG: ClassVar[str] = "detok"
+
+
+@dataclass(frozen=True, slots=True)
+class Embed(Message):
+    """Embed texts or token-id inputs (exactly one is set) with an embedding model; answered by
+    Embeddings, one vector per input in order. The worker batches the inputs of every Embed it has."""
+
+    rid: str
+    texts: list[str] | None
+    token_ids: list[list[int]] | None
+    TAG: ClassVar[str] = "embed"
+
+    def check(self) -> None:
+        if (self.texts is None) == (self.token_ids is None):
+            raise ValueError("exactly one of texts, token_ids must be set")
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +133,7 @@ class Ready(Message):
     load_s: float
     warmup_s: float
     chat_template: bool
+    tokenizer: TokenizerInfo | None = None
     TAG: ClassVar[str] = "ready"
 
 
@@ -145,6 +163,16 @@ class Tokens(Message):
     token_ids: list[int]
     text: str
     TAG: ClassVar[str] = "toks"
+
+
+@dataclass(frozen=True, slots=True)
+class Embeddings(Message):
+    """The answer to Embed: one vector per input, and the tokens they took."""
+
+    rid: str
+    vectors: list[list[float]]
+    prompt_tokens: int
+    TAG: ClassVar[str] = "embs"
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,8 +212,8 @@ class Fatal(Message):
 
 PROTOCOL = Codec(
     [
-        Generate, Cancel, Tokenize, Detokenize, Shutdown, Reintroduce,
-        Hello, Status, Ready, Accepted, Rejected, Tokens, Step, JobsAborted, Heartbeat, Fatal,
+        Generate, Cancel, Tokenize, Detokenize, Embed, Shutdown, Reintroduce,
+        Hello, Status, Ready, Accepted, Rejected, Tokens, Embeddings, Step, JobsAborted, Heartbeat, Fatal,
     ]
 )  # fmt: skip
 encode = PROTOCOL.encode

@@ -7,6 +7,7 @@ codec in wire.codec derives their wire form and validation from the type hints.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,6 +40,19 @@ class SamplingParams:
     # matching that schema. Engines enforce it by constrained decoding.
     json_object: bool = False
     json_schema: str | None = None
+    # Structured output by a regular expression (guided_regex, guided_choice, regex_pattern).
+    regex: str | None = None
+    # No whitespace between JSON tokens (vLLM's disable_any_whitespace; tool-call constraints).
+    compact_json: bool = False
+    # Prompt scoring: None, or k >= 0 for each prompt token's logprob (after the first) and its top k.
+    prompt_logprobs: int | None = None
+    include_stop_str_in_output: bool = False
+    # Strings that must never appear in the output (TabbyAPI's banned_strings).
+    banned_strings: list[str] = field(default_factory=list)
+    # Words whose token sequences must never be generated (vLLM's bad_words).
+    bad_words: list[str] = field(default_factory=list)
+    # When non-empty, the only token ids that may be generated (vLLM's allowed_token_ids).
+    allowed_token_ids: list[int] = field(default_factory=list)
 
     def check(self) -> None:
         """Called by the codec after decoding: what the types alone do not say."""
@@ -55,18 +69,78 @@ def _as_kwargs(params: SamplingParams) -> dict[str, Any]:
 
 
 @dataclass(frozen=True, slots=True)
+class ToolCall:
+    """A function call an assistant made earlier in the conversation; `arguments` is JSON text."""
+
+    id: str
+    name: str
+    arguments: str
+
+
+@dataclass(frozen=True, slots=True)
 class ChatMessage:
     """One chat message as the model's chat template sees it (content already one string)."""
 
     role: str
     content: str
     name: str | None = None
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    tool_call_id: str | None = None
 
     def for_template(self) -> dict[str, Any]:
         message: dict[str, Any] = {"role": self.role, "content": self.content}
         if self.name is not None:
             message["name"] = self.name
+        if self.tool_calls:
+            message["tool_calls"] = [
+                {"id": c.id, "type": "function",
+                 "function": {"name": c.name, "arguments": _arguments_for_template(c.arguments)}}
+                for c in self.tool_calls
+            ]  # fmt: skip
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
         return message
+
+
+def _arguments_for_template(arguments: str) -> Any:
+    # Templates (Llama 3.1, Qwen, Hermes) write arguments with `| tojson`: they expect a mapping,
+    # while the API carries JSON text. vLLM hands templates the parsed object the same way.
+    try:
+        return json.loads(arguments)
+    except ValueError:
+        return arguments
+
+
+@dataclass(frozen=True, slots=True)
+class ToolSpec:
+    """A function the model may call, as chat templates and constrained decoding see it."""
+
+    name: str
+    description: str | None
+    parameters: dict[str, Any]
+
+    def for_template(self) -> dict[str, Any]:
+        # OpenAI's key order (templates write tools with tojson, so the order is in the prompt).
+        function: dict[str, Any] = {"name": self.name}
+        if self.description is not None:
+            function["description"] = self.description
+        function["parameters"] = self.parameters
+        return {"type": "function", "function": function}
+
+
+@dataclass(frozen=True, slots=True)
+class ChatOptions:
+    """How the worker renders chat messages: tools for the template and the template's switches."""
+
+    tools: list[ToolSpec] = field(default_factory=list)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    # Extra variables for the template (vLLM's chat_template_kwargs), e.g. enable_thinking.
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def check(self) -> None:
+        if self.add_generation_prompt and self.continue_final_message:
+            raise ValueError("add_generation_prompt and continue_final_message exclude each other")
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +163,7 @@ class WorkerSpec:
     warmup_runs: int = 2
     # The model's `env` from the registry: set in the worker before its engine is imported.
     env: dict[str, str] = field(default_factory=dict)
+    task: str = "generate"  # or "embed": the model answers /v1/embeddings only
 
 
 # Registry defaults that both processes apply: the gateway to the entries it validates, a remote

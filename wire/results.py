@@ -67,18 +67,25 @@ class TopLogprob:
 
 @dataclass(frozen=True, slots=True)
 class TokenLogprob:
-    """One generated token's log-probability and, when asked for, its most likely alternatives."""
+    """One token's log-probability and, when asked for, its most likely alternatives.
+
+    `logprob` is None only for a prompt's first token, which has no context to be scored in.
+    `rank` (1 = the most likely token) is set for prompt tokens, as vLLM's prompt_logprobs report it.
+    """
 
     token: str
     token_id: int
-    logprob: float
+    logprob: float | None
     top: list[TopLogprob]
+    rank: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class JobOutput:
     """One job's progress in one generator step. `usage` is set on the job's last output, the one
-    with a `finish_reason`. `logprobs`, when asked for, has one entry per id in `token_ids`."""
+    with a `finish_reason`. `logprobs`, when asked for, has one entry per id in `token_ids`.
+    `prompt_logprobs`, when asked for, comes on the job's first output: one entry per prompt token
+    after the first (the first token has no context to be scored in)."""
 
     rid: str
     text: str
@@ -86,3 +93,4 @@ class JobOutput:
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
     logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None

@@ -72,3 +72,16 @@ class EngineStats:
             raise ValueError("more free cache pages than pages")
         if any(v < 0 for v in self.gpu_memory_used_bytes.values()):
             raise ValueError("memory must not be negative")
+
+
+@dataclass(frozen=True, slots=True)
+class TokenizerInfo:
+    """The model's tokenizer as clients see it (vLLM's /tokenizer_info), sent once in Ready."""
+
+    tokenizer_class: str = ""
+    bos_token: str | None = None
+    eos_token: str | None = None
+    pad_token: str | None = None
+    unk_token: str | None = None
+    chat_template: str | None = None
+    model_max_length: int = 0

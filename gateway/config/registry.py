@@ -34,6 +34,8 @@ _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 # Set by the gateway for each worker; a model's `env` may not override them.
 RESERVED_ENV = frozenset({"CUDA_VISIBLE_DEVICES", "LOG_FORMAT"})
 DEFAULT_MODEL_CACHE = Path("~/.cache/llm-gateway/models")
+# Tool-call output formats the gateway can read (gateway.tools.parsers implements each).
+ToolCallParserName = Literal["hermes", "qwen", "llama3_json", "mistral"]
 
 
 class _Strict(BaseModel):
@@ -109,6 +111,16 @@ class ModelConfig(_Strict):
         description="Models in one group share GPUs: loading one on demand first drains and unloads the "
         "others (llama-swap's swap).",
     )
+    task: Literal["generate", "embed"] = Field(
+        "generate",
+        description="generate: chat and completions. embed: /v1/embeddings only (transformers engine, "
+        "a sentence-transformers model folder).",
+    )
+    tool_call_parser: ToolCallParserName | None = Field(
+        None,
+        description="How tool calls are read from this model's output (tool_choice auto): hermes, "
+        "qwen, llama3_json or mistral. Without one, tool_choice auto is refused.",
+    )
     # Set from the engine's settings after they are checked (gateway.config.engine_check).
     _weight_dirs: tuple[Path, ...] = PrivateAttr(default=())
     _reserve_vram_gb: float = PrivateAttr(default=0.0)
@@ -148,6 +160,14 @@ class ModelConfig(_Strict):
             if name in RESERVED_ENV:
                 raise ValueError(f"{name} is set by the gateway for each worker; it cannot be overridden")
         return env
+
+    @model_validator(mode="after")
+    def _embedding_engine(self) -> ModelConfig:
+        if self.task == "embed" and self.engine != "transformers":
+            raise ValueError("task embed runs on the transformers engine only")
+        if self.task == "embed" and self.tool_call_parser is not None:
+            raise ValueError("an embedding model has no tool_call_parser")
+        return self
 
     @model_validator(mode="after")
     def _replicas_have_gpus(self) -> ModelConfig:
@@ -386,6 +406,7 @@ def worker_spec(model: ModelConfig, heartbeat_interval_s: float) -> WorkerSpec:
         chat_template=model.chat_template,
         heartbeat_interval_s=heartbeat_interval_s,
         env=dict(model.env),
+        task=model.task,
     )
 
 

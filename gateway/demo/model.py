@@ -22,13 +22,41 @@ TOKENIZER_VOCAB_SIZE = 1000
 SPECIAL_TOKENS = ["<s>", "</s>", "<|im_start|>", "<|im_end|>"]
 BOS_TOKEN = "<s>"
 EOS_TOKEN = "<|im_end|>"
-# ChatML. It starts with the BOS token because apply_chat_template tokenizes without special tokens.
+# ChatML with Hermes-style tools (as Qwen 2.5 writes them): a system turn lists the tools, calls are
+# `<tool_call>{"name": ..., "arguments": ...}</tool_call>` and results come back in `tool` turns.
+# Without tools it renders plain ChatML; chat_template_kwargs {"enable_thinking": false} adds an
+# empty think block after the generation prompt, as Qwen 3's template does. It starts with the BOS
+# token because apply_chat_template tokenizes without special tokens.
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
+    "{% if tools is defined and tools %}"
+    "{{ '<|im_start|>system\\n' }}"
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] + '\\n\\n' }}{% endif %}"
+    "{{ 'You may call functions. Their signatures are within <tools></tools>:\\n<tools>' }}"
+    "{% for tool in tools %}{{ '\\n' + (tool | tojson) }}{% endfor %}"
+    "{{ '\\n</tools>\\nFor each call, answer with a JSON object of the function name and arguments '"
+    " + 'within <tool_call></tool_call> tags:\\n<tool_call>\\n{\"name\": <function-name>, '"
+    " + '\"arguments\": <args-json-object>}\\n</tool_call><|im_end|>\\n' }}"
+    "{% endif %}"
     "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% if tools is defined and tools and loop.first and message['role'] == 'system' %}"
+    "{% elif message['role'] == 'assistant' and message['tool_calls'] is defined %}"
+    "{{ '<|im_start|>assistant\\n' + (message['content'] or '') }}"
+    "{% for call in message['tool_calls'] %}"
+    "{{ '\\n<tool_call>\\n{\"name\": ' + (call['function']['name'] | tojson) + ', \"arguments\": '"
+    " + (call['function']['arguments'] | tojson) + '}\\n</tool_call>' }}"
     "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    "{{ '<|im_end|>\\n' }}"
+    "{% elif message['role'] == 'tool' %}"
+    "{{ '<|im_start|>user\\n<tool_response>\\n' + message['content'] + '\\n</tool_response><|im_end|>\\n' }}"
+    "{% else %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+    "{% if enable_thinking is defined and not enable_thinking %}"
+    "{{ '<think>\\n\\n</think>\\n\\n' }}{% endif %}"
+    "{% endif %}"
 )
 
 PRESETS: dict[str, dict[str, Any]] = {

@@ -23,7 +23,17 @@ from werkzeug.exceptions import HTTPException
 from gateway.config.registry import Registry
 from gateway.core import Gateway
 from gateway.errors import APIError, InvalidRequest, error_body
-from gateway.http import admin_routes, dashboard, health_routes, metrics_route, openai_routes, tokenize_routes
+from gateway.http import (
+    admin_routes,
+    dashboard,
+    embedding_routes,
+    health_routes,
+    metrics_route,
+    openai_routes,
+    probe_routes,
+    responses_routes,
+    tokenize_routes,
+)
 from gateway.http.auth import Authenticator
 from gateway.http.request_log import begin_request, end_request, finish_request
 from gateway.observability.metrics import GatewayMetrics, count_response
@@ -86,7 +96,8 @@ def create_app(registry: Registry) -> Quart:
     app.after_request(count_response)
     app.after_request(finish_request)
     app.teardown_request(end_request)
-    for module in (openai_routes, health_routes, tokenize_routes, admin_routes, metrics_route, dashboard):
+    for module in (openai_routes, embedding_routes, responses_routes, health_routes, probe_routes,
+                   tokenize_routes, admin_routes, metrics_route, dashboard):  # fmt: skip
         app.register_blueprint(module.blueprint)
 
     @app.before_serving

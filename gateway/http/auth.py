@@ -6,9 +6,9 @@ changes, and the per-key token buckets. Only SHA-256 digests of keys are kept, c
 constant time; keys are never logged, only their names.
 
 Rules once any key source is configured (deny by default):
-- every route but /health/live, /health/ready (ready or not, nothing more without a key) and
-  /dashboard (a page with no data; its script sends the key) needs a key: none or an unknown one
-  -> 401 `invalid_api_key`;
+- every route but the probes (/health/live, /health/ready: ready or not, nothing more without a
+  key; /health, /ping, /version) and /dashboard (a page with no data; its script sends the key)
+  needs a key: none or an unknown one -> 401 `invalid_api_key`;
 - /admin/* needs an admin key -> 403 `permission_denied` for an inference key;
 - a model the key may not use answers 404 `model_not_found`, the same answer as a model that does
   not exist, so a key cannot probe which models are served; /v1/models lists only its models;
@@ -41,9 +41,9 @@ from gateway.errors import AuthenticationFailed, ModelNotFound, PermissionDenied
 
 logger = logging.getLogger(__name__)
 
-# /health/ready answers without a key (load balancers' probes) and then says only ready or not;
-# gateway.http.health_routes adds the models a valid key may use.
-OPEN_PATHS = frozenset({"/health/live", "/health/ready", "/dashboard"})
+# Probes answer without a key (load balancers, benchmark tools) and carry no data; /health/ready then
+# says only ready or not (gateway.http.health_routes adds the models a valid key may use).
+OPEN_PATHS = frozenset({"/health/live", "/health/ready", "/health", "/ping", "/version", "/dashboard"})
 RELOAD_CHECK_S = 1.0
 
 
@@ -212,7 +212,7 @@ class Authenticator:
 
 
 # Routes that name a model, so the key's model scope and rate limit apply to them.
-MODEL_SCOPED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
+MODEL_SCOPED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/tokenizer_info")
 
 
 def presented_key(headers: Headers) -> str | None:
@@ -229,6 +229,8 @@ async def requested_model() -> str | None:
     view_args = request.view_args or {}
     if "model_id" in view_args:
         return str(view_args["model_id"])
+    if request.method == "GET" and "model" in request.args:  # GET /tokenizer_info?model=...
+        return request.args["model"]
     if request.method != "POST":
         return None
     # force/silent exactly as the routes parse it, so both read the same cached body.

@@ -1,8 +1,9 @@
 """OpenAI response bodies and SSE chunks, for chat and legacy completions.
 
 Runs in the gateway process. Owns the exact JSON shapes OpenAI clients parse: chunk objects,
-final responses, usage and logprobs in both the chat and the completions flavour. Pure functions
-of the choices' outputs (gateway.serving) and the typed JobOutputs the workers sent; no I/O.
+final responses, usage and logprobs in both the chat and the completions flavour, tool calls
+(read from the text by gateway.tools) and vLLM's prompt logprobs. Pure functions of the choices'
+outputs (gateway.serving) and the typed JobOutputs the workers sent; no I/O.
 """
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from gateway.serving.outputs import ChoiceOutput, usage_totals
-from wire.results import JobOutput, TokenLogprob
+from gateway.tools.plan import ToolPlan
+from gateway.tools.stream import ToolCallStream
+from wire.results import FinishReason, JobOutput, TokenLogprob
 
 if TYPE_CHECKING:
     from gateway.serving.request_owner import Choice
@@ -43,7 +46,7 @@ def usage_body(choices: list[ChoiceOutput]) -> dict[str, Any]:
 
 
 def chat_logprobs(entries: list[TokenLogprob]) -> dict[str, Any]:
-    def token(text: str, logprob: float) -> dict[str, Any]:
+    def token(text: str, logprob: float | None) -> dict[str, Any]:
         return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
 
     return {
@@ -54,32 +57,77 @@ def chat_logprobs(entries: list[TokenLogprob]) -> dict[str, Any]:
     }
 
 
-def completion_logprobs(entries: list[TokenLogprob], start_offset: int) -> dict[str, Any]:
-    offsets, position = [], start_offset
+def completion_logprobs(
+    entries: list[TokenLogprob], start_offset: int, prompt: list[TokenLogprob] | None = None
+) -> dict[str, Any]:
+    """The completions flavour; with echo, the prompt's entries come first (the first one null)."""
+    offsets, position = [], 0
+    for entry in prompt or []:
+        offsets.append(position)
+        position += len(entry.token)
+    position = start_offset
     for entry in entries:
         offsets.append(position)
         position += len(entry.token)
+    every = [*(prompt or []), *entries]
     return {
-        "tokens": [e.token for e in entries],
-        "token_logprobs": [e.logprob for e in entries],
-        "top_logprobs": [{t.token: t.logprob for t in e.top} for e in entries],
+        "tokens": [e.token for e in every],
+        "token_logprobs": [e.logprob for e in every],
+        # vLLM's shape: null where there is no logprob (the prompt's first token).
+        "top_logprobs": [None if e.logprob is None else {t.token: t.logprob for t in e.top} for e in every],
         "text_offset": offsets,
     }
+
+
+def prompt_logprobs_body(entries: list[TokenLogprob]) -> list[dict[str, Any] | None]:
+    """vLLM's prompt_logprobs: per prompt token, {token id: {logprob, rank, decoded_token}} for the
+    token and its top alternatives; null for the first token."""
+    body: list[dict[str, Any] | None] = []
+    for entry in entries:
+        if entry.logprob is None:
+            body.append(None)
+            continue
+        ranked = {str(t.token_id): {"logprob": t.logprob, "rank": rank, "decoded_token": t.token}
+                  for rank, t in enumerate(entry.top, start=1)}  # fmt: skip
+        ranked.setdefault(
+            str(entry.token_id), {"logprob": entry.logprob, "rank": entry.rank, "decoded_token": entry.token}
+        )
+        body.append(ranked)
+    return body
 
 
 # ---- envelopes ------------------------------------------------------------------------------
 
 
 class ResponseFormatter:
-    """Builds chunks and final bodies for one request; `chat` picks the flavour."""
+    """Builds chunks and final bodies for one request; `chat` picks the flavour.
 
-    def __init__(self, request_id: str, model: str, chat: bool) -> None:
+    `tools` reads tool calls from chat output; `echo_logprobs` puts the prompt's logprobs before
+    the completion's (completions with echo and logprobs); `prompt_logprobs` adds vLLM's field;
+    `continuous_usage` puts the usage so far in every chunk (stream_options.continuous_usage_stats).
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        model: str,
+        chat: bool,
+        tools: ToolPlan | None = None,
+        echo_logprobs: bool = False,
+        prompt_logprobs: bool = False,
+        continuous_usage: bool = False,
+    ) -> None:
         self.id = request_id
         self.model = model
         self.chat = chat
+        self.tools = tools if tools is not None and tools.active else None
+        self.echo_logprobs = echo_logprobs
+        self.prompt_logprobs = prompt_logprobs
+        self.continuous_usage = continuous_usage
         self.created = int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
         self._echoed: set[int] = set()  # choices whose echo went out with their first chunk
+        self._tool_streams: dict[int, ToolCallStream] = {}
 
     def _envelope(self, choices: list[dict[str, Any]], chunk: bool) -> dict[str, Any]:
         obj = self.object + (".chunk" if chunk and self.chat else "")
@@ -104,33 +152,81 @@ class ResponseFormatter:
             out.append(sse(body))
         return out
 
-    def delta_chunk(self, choice: Choice, output: JobOutput, with_usage: bool) -> bytes:
-        """The SSE chunk for one output of one choice; empty when there is nothing to send."""
+    def delta_chunk(
+        self, choice: Choice, output: JobOutput, with_usage: bool, usage_now: list[ChoiceOutput] | None = None
+    ) -> bytes:
+        """The SSE chunk(s) for one output of one choice; empty when there is nothing to send.
+        `usage_now` (every choice's output so far) is reported in each chunk with continuous usage."""
         echo = ""
         if choice.input.echo and choice.index not in self._echoed:
             self._echoed.add(choice.index)
             echo = choice.input.echo
-        if not (output.text or output.finish_reason or output.logprobs or echo):
+        prompt = output.prompt_logprobs if self.echo_logprobs else None
+        if not (output.text or output.finish_reason or output.logprobs or echo or prompt):
             return b""
         state = choice.output
         logprobs = None
-        if output.logprobs:
+        if output.logprobs or prompt:
             if self.chat:
-                logprobs = chat_logprobs(output.logprobs)
+                logprobs = chat_logprobs(output.logprobs or [])
             else:
                 start = len(choice.input.echo) + state.text_length - len(output.text)
-                logprobs = completion_logprobs(output.logprobs, start)
+                logprobs = completion_logprobs(output.logprobs or [], start, prompt)
+        finish = output.finish_reason.value if output.finish_reason else None
+        if self.chat and self.tools is not None:
+            return self._tool_chunks(choice, output, logprobs, finish, with_usage, usage_now)
         if self.chat:
             delta = {"content": output.text} if output.text else {}
             body: dict[str, Any] = {"index": choice.index, "delta": delta}
         else:
             body = {"index": choice.index, "text": echo + output.text}
+            if self.prompt_logprobs and output.prompt_logprobs is not None:
+                body["prompt_logprobs"] = prompt_logprobs_body(output.prompt_logprobs)
         body["logprobs"] = logprobs
-        body["finish_reason"] = output.finish_reason.value if output.finish_reason else None
+        body["finish_reason"] = finish
+        return self._chunk(body, with_usage, usage_now)
+
+    def _chunk(self, body: dict[str, Any], with_usage: bool, usage_now: list[ChoiceOutput] | None) -> bytes:
         envelope = self._envelope([body], chunk=True)
-        if with_usage:
+        if self.continuous_usage and usage_now is not None:
+            envelope["usage"] = usage_body(usage_now)
+        elif with_usage:
             envelope["usage"] = None
         return sse(envelope)
+
+    def _tool_chunks(
+        self,
+        choice: Choice,
+        output: JobOutput,
+        logprobs: dict[str, Any] | None,
+        finish: str | None,
+        with_usage: bool,
+        usage_now: list[ChoiceOutput] | None,
+    ) -> bytes:
+        assert self.tools is not None
+        stream = self._tool_streams.setdefault(choice.index, ToolCallStream(self.tools))
+        deltas = stream.feed(output.text)
+        if output.finish_reason is not None:
+            tail, called = stream.finish()
+            deltas += tail
+            finish = self._finish_reason(output.finish_reason, called)
+        if not deltas:
+            if finish is None and logprobs is None:
+                return b""  # text held back (a marker may be starting): nothing to say yet
+            deltas = [{}]
+        chunks = []
+        for position, delta in enumerate(deltas):
+            last = position == len(deltas) - 1
+            body = {"index": choice.index, "delta": delta, "logprobs": logprobs if position == 0 else None,
+                    "finish_reason": finish if last else None}  # fmt: skip
+            chunks.append(self._chunk(body, with_usage, usage_now))
+        return b"".join(chunks)
+
+    def _finish_reason(self, reason: FinishReason | None, called: bool) -> str | None:
+        # OpenAI ends a forced (named) call with "stop", and calls the model chose with "tool_calls".
+        if called and reason is FinishReason.STOP and self.tools is not None and self.tools.mode != "named":
+            return "tool_calls"
+        return reason.value if reason else None
 
     def usage_chunk(self, outputs: list[ChoiceOutput]) -> bytes:
         body = self._envelope([], chunk=True)
@@ -141,18 +237,39 @@ class ResponseFormatter:
         bodies = []
         for choice in choices:
             state = choice.output
+            finish = state.finish_reason.value if state.finish_reason else None
             if self.chat:
+                message: dict[str, Any] = {"role": "assistant", "content": state.text}
+                if self.tools is not None:
+                    parsed = self.tools.read(state.text)
+                    message["content"] = parsed.content
+                    if parsed.calls:
+                        message["tool_calls"] = [
+                            {"id": self.tools.call_id(), "type": "function",
+                             "function": {"name": call.name, "arguments": call.arguments}}
+                            for call in parsed.calls
+                        ]  # fmt: skip
+                    finish = self._finish_reason(state.finish_reason, bool(parsed.calls))
                 body: dict[str, Any] = {
                     "index": choice.index,
-                    "message": {"role": "assistant", "content": state.text},
+                    "message": message,
                     "logprobs": chat_logprobs(state.logprobs) if state.logprobs else None,
                 }
             else:
                 echo = choice.input.echo
-                logprobs = completion_logprobs(state.logprobs, len(echo)) if state.logprobs else None
+                prompt = state.prompt_logprobs if self.echo_logprobs else None
+                logprobs = None
+                if state.logprobs or prompt:
+                    logprobs = completion_logprobs(state.logprobs, len(echo), prompt)
                 body = {"index": choice.index, "text": echo + state.text, "logprobs": logprobs}
-            body["finish_reason"] = state.finish_reason.value if state.finish_reason else None
+                if self.prompt_logprobs:
+                    body["prompt_logprobs"] = prompt_logprobs_body(state.prompt_logprobs or [])
+            body["finish_reason"] = finish
             bodies.append(body)
         envelope = self._envelope(bodies, chunk=False)
+        if self.chat and self.prompt_logprobs:
+            # vLLM puts a chat request's prompt logprobs beside the choices (they share the prompt).
+            first = choices[0].output.prompt_logprobs if choices else None
+            envelope["prompt_logprobs"] = prompt_logprobs_body(first or [])
         envelope["usage"] = usage_body([c.output for c in choices])
         return envelope

@@ -25,6 +25,9 @@ from gateway.observability.logging_setup import set_log_context
 from gateway.observability.metrics import start_request
 from gateway.serving.outputs import ChoiceInput
 from gateway.serving.request_owner import KEEPALIVE, RequestOwner
+from gateway.serving.router import ModelRoute
+from gateway.tools.plan import ToolPlan, plan_tools
+from wire import messages as wire
 
 blueprint = Blueprint("openai", __name__)
 
@@ -47,9 +50,18 @@ async def get_model(model_id: str) -> Any:
 @blueprint.post("/v1/chat/completions")
 @validate_request(ChatCompletionRequest)
 async def chat_completions(data: ChatCompletionRequest) -> Any:
+    route = generation_route(data.model)
+    tools, tool_choice = data.tool_definitions()
+    plan = plan_tools(tools, tool_choice, data.parallel_tool_calls, route.config.name,
+                      route.config.tool_call_parser)  # fmt: skip
+    options = data.chat_options(plan.tools if plan.active else [])
     messages = [m.to_wire() for m in data.messages]
-    inputs = [ChoiceInput(messages=messages)] * data.n
-    return await _serve(data, inputs, chat=True, logprobs=data.logprobs_count())
+    inputs = [ChoiceInput(messages=messages, chat=options)] * data.n
+    formatter = ResponseFormatter(
+        "chatcmpl-" + uuid.uuid4().hex, data.model, chat=True, tools=plan,
+        prompt_logprobs=data.prompt_logprobs is not None, continuous_usage=data.continuous_usage(),
+    )  # fmt: skip
+    return await _serve(data, route, inputs, formatter, data.logprobs_count(), plan)
 
 
 @blueprint.post("/v1/completions")
@@ -57,28 +69,53 @@ async def chat_completions(data: ChatCompletionRequest) -> Any:
 async def completions(data: CompletionRequest) -> Any:
     if data.suffix:
         raise InvalidRequest("suffix is not supported", param="suffix")
-    prompts = data.prompts()
-    if data.echo and any(not isinstance(p, str) for p in prompts):
-        raise InvalidRequest("echo is supported for text prompts only", param="echo")
+    route = generation_route(data.model)
     inputs = []
-    for prompt in prompts:
-        echo = prompt if data.echo and isinstance(prompt, str) else ""
-        choice = (
-            ChoiceInput(prompt=prompt, echo=echo)
-            if isinstance(prompt, str)
-            else ChoiceInput(prompt_token_ids=prompt)
-        )
+    for prompt in data.prompts():
+        if isinstance(prompt, str):
+            choice = ChoiceInput(prompt=prompt, echo=prompt if data.echo else "")
+        else:
+            echo = await _prompt_text(route, prompt) if data.echo else ""
+            choice = ChoiceInput(prompt_token_ids=prompt, echo=echo)
         inputs.extend([choice] * data.n)
-    return await _serve(data, inputs, chat=False, logprobs=data.logprobs)
+    formatter = ResponseFormatter(
+        "cmpl-" + uuid.uuid4().hex, data.model, chat=False,
+        echo_logprobs=data.echo and data.logprobs is not None,
+        prompt_logprobs=data.prompt_logprobs is not None, continuous_usage=data.continuous_usage(),
+    )  # fmt: skip
+    return await _serve(data, route, inputs, formatter, data.logprobs, None)
 
 
-async def _serve(req: Any, inputs: list[ChoiceInput], chat: bool, logprobs: int | None) -> Any:
+def generation_route(model: str) -> ModelRoute:
+    route = current_gateway().router.route(model)
+    if route.config.task == "embed":
+        raise InvalidRequest(
+            f"model '{route.config.name}' is an embedding model; use /v1/embeddings", param="model"
+        )
+    return route
+
+
+async def _prompt_text(route: ModelRoute, token_ids: list[int]) -> str:
+    """The text of a token-id prompt, for echo: decoded by the model's own tokenizer."""
+    reply = await current_gateway().service.exchange(
+        route, lambda rid: wire.Detokenize(rid, list(token_ids)), timeout_s=30.0
+    )
+    return reply.text
+
+
+async def _serve(
+    req: Any,
+    route: ModelRoute,
+    inputs: list[ChoiceInput],
+    formatter: ResponseFormatter,
+    logprobs: int | None,
+    tools: ToolPlan | None,
+) -> Any:
     gateway = current_gateway()
-    route = gateway.router.route(req.model)
     set_log_context(model=route.config.name)  # the canonical name, on every line of this request
-    params = req.sampling_params(route.config, logprobs)
+    schema = tools.constraint_schema() if tools is not None else None
+    params = req.sampling_params(route.config, logprobs, schema)
     deadline = gateway.router.deadline_for(route, req.timeout)
-    formatter = ResponseFormatter(("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, req.model, chat)
     recorder = start_request(route.config.name)
     owner = gateway.service.open(route, inputs, params, deadline, recorder, streaming=req.stream)
     await owner.admit()  # refusals (400, 429, 503, 408) surface here, before any stream opens
@@ -108,7 +145,7 @@ async def _stream(
                 yield SSE_KEEPALIVE
                 continue
             index, output = event  # type: ignore[misc]
-            chunk = formatter.delta_chunk(owner.choices[index], output, with_usage)
+            chunk = formatter.delta_chunk(owner.choices[index], output, with_usage, owner.outputs)
             if chunk:
                 yield chunk
         if with_usage:

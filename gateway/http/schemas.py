@@ -1,22 +1,23 @@
 """HTTP request schemas of the OpenAI API, and their normalization into wire SamplingParams.
 
 Runs in the gateway process. Owns the API edge: every "string or list" shape the OpenAI API
-allows is normalized here, so the rest of the code sees one shape per field. Unknown fields are
-accepted and ignored, as OpenAI clients send vendor extensions freely. `response_format` is checked
-for shape only: whether lm-format-enforcer can enforce a schema is the worker's call (it imports
-torch, which the gateway never does), answered with an `invalid_response_format` rejection.
+allows is normalized here, so the rest of the code sees one shape per field. Known extensions
+(vLLM's and TabbyAPI's) are declared fields: honoured, or refused with a 400 naming them
+(gateway.http.extensions normalizes the structured-output ones). Genuinely unknown fields are
+accepted and ignored, as OpenAI clients send vendor extensions freely. Whether lm-format-enforcer
+can enforce a schema is the worker's call (it imports torch, which the gateway never does),
+answered with an `invalid_response_format` rejection.
 """
 
 from __future__ import annotations
 
-import json
-import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from gateway.config.registry import ModelConfig
 from gateway.errors import InvalidRequest
+from gateway.http.extensions import response_format_constraint, structured_output
 from wire import params as wire
 
 MAX_STOP_STRINGS = 16
@@ -24,11 +25,17 @@ MAX_STOP_LENGTH = 256
 MAX_MESSAGES = 4096
 MAX_TOP_LOGPROBS = 20
 MAX_N = 8
-# A schema travels in every Generate frame and is parsed per job; real ones are a few KB.
-MAX_SCHEMA_CHARS = 64 * 1024
-_SCHEMA_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for json_schema.name
+MAX_WORD_LISTS = 256
 # Token ids travel as msgpack ints; bound them here so a wild value is a 400, not an encoder error.
 TokenId = Annotated[int, Field(ge=0, lt=2**31)]
+_STRUCTURED_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                      "structured_outputs", "json_schema", "regex_pattern")  # fmt: skip
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    include_usage: bool = False
+    continuous_usage_stats: bool = Field(False, description="Usage in every chunk (vLLM).")
 
 
 class _Request(BaseModel):
@@ -48,6 +55,7 @@ class _Request(BaseModel):
     stop: str | list[str] | None = None
     stop_token_ids: list[TokenId] | None = None
     n: int = Field(1, ge=1, le=MAX_N)
+    best_of: int | None = Field(None, ge=1, le=MAX_N, description="Accepted when equal to n (vLLM).")
     stream: bool = False
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None
@@ -58,6 +66,20 @@ class _Request(BaseModel):
     response_format: dict[str, Any] | None = Field(
         None, description="text, json_object or json_schema (on /v1/completions an extension)."
     )
+    # Structured output under other names (vLLM, TabbyAPI); at most one of these and response_format.
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = Field(None, description="Refused: no engine here enforces grammars.")
+    structured_outputs: dict[str, Any] | None = None
+    json_schema: dict[str, Any] | None = Field(None, description="TabbyAPI's JSON schema constraint.")
+    regex_pattern: str | None = Field(None, description="TabbyAPI's regular expression constraint.")
+    # Other known extensions.
+    include_stop_str_in_output: bool = False
+    banned_strings: str | list[str] | None = Field(None, description="TabbyAPI: strings never generated.")
+    bad_words: list[str] | None = Field(None, max_length=MAX_WORD_LISTS)
+    allowed_token_ids: list[TokenId] | None = Field(None, min_length=1)
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
 
     @field_validator("stop")
     @classmethod
@@ -69,10 +91,18 @@ class _Request(BaseModel):
             raise ValueError(f"stop strings must be 1 to {MAX_STOP_LENGTH} characters")
         return stop
 
+    @field_validator("banned_strings")
+    @classmethod
+    def _banned_caps(cls, banned: str | list[str] | None) -> str | list[str] | None:
+        strings = [banned] if isinstance(banned, str) else banned or []
+        if len(strings) > MAX_WORD_LISTS or any(not s or len(s) > MAX_STOP_LENGTH for s in strings):
+            raise ValueError(f"at most {MAX_WORD_LISTS} banned strings of 1 to {MAX_STOP_LENGTH} characters")
+        return banned
+
     @field_validator("response_format")
     @classmethod
     def _response_format_shape(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        structured_output(value)
+        response_format_constraint(value)
         return value
 
     @field_validator("logit_bias")
@@ -85,9 +115,22 @@ class _Request(BaseModel):
                 raise ValueError("logit_bias values must be within [-100, 100]")
         return bias
 
-    def sampling_params(self, model: ModelConfig, logprobs: int | None) -> wire.SamplingParams:
+    @model_validator(mode="after")
+    def _extension_rules(self) -> _Request:
+        if self.stream_options is not None and not self.stream:
+            raise InvalidRequest("stream_options is only allowed when stream is true", param="stream_options")
+        if self.best_of is not None and self.best_of != self.n:
+            # best_of > n would need ranking by cumulative logprob, which no engine here reports.
+            raise InvalidRequest("best_of must equal n (best_of > n is not supported)", param="best_of")
+        return self
+
+    def sampling_params(
+        self, model: ModelConfig, logprobs: int | None, constraint_schema: str | None = None
+    ) -> wire.SamplingParams:
+        """The wire parameters; `constraint_schema` (tool calls) replaces any structured output."""
         defaults = model.defaults
-        max_tokens = self.requested_max_tokens() or defaults.max_tokens
+        requested = self.requested_max_tokens()
+        max_tokens = defaults.max_tokens if requested is None else requested
         if max_tokens > model.max_seq_len:
             param = "max_completion_tokens" if getattr(self, "max_completion_tokens", None) else "max_tokens"
             raise InvalidRequest(
@@ -96,7 +139,18 @@ class _Request(BaseModel):
         if self.min_tokens > max_tokens:
             raise InvalidRequest("min_tokens must not exceed max_tokens", param="min_tokens")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        json_object, json_schema = structured_output(self.response_format)
+        constraint = structured_output({name: getattr(self, name) for name in _STRUCTURED_FIELDS})
+        if constraint_schema is not None:
+            if constraint.json_object or constraint.json_schema or constraint.regex:
+                raise InvalidRequest(
+                    "a required or named tool_choice cannot be combined with another output constraint",
+                    param="tool_choice",
+                )
+            # Compact: a model that has never seen tools must not spend its tokens on whitespace.
+            constraint = type(constraint)(json_schema=constraint_schema, compact_json=True)
+        banned = (
+            [self.banned_strings] if isinstance(self.banned_strings, str) else list(self.banned_strings or [])
+        )
         return wire.SamplingParams(
             max_tokens=max_tokens,
             temperature=defaults.temperature if self.temperature is None else self.temperature,
@@ -120,50 +174,28 @@ class _Request(BaseModel):
             min_tokens=self.min_tokens,
             logprobs=logprobs,
             logit_bias={int(k): float(v) for k, v in (self.logit_bias or {}).items()},
-            json_object=json_object,
-            json_schema=json_schema,
+            json_object=constraint.json_object,
+            json_schema=constraint.json_schema,
+            regex=constraint.regex,
+            compact_json=constraint.compact_json,
+            prompt_logprobs=self.prompt_logprobs_count(),
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            banned_strings=banned,
+            bad_words=[w for w in self.bad_words or [] if w],
+            allowed_token_ids=list(self.allowed_token_ids or []),
         )
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
 
+    def prompt_logprobs_count(self) -> int | None:
+        return self.prompt_logprobs
+
     def include_usage_in_stream(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
-
-def structured_output(response_format: dict[str, Any] | None) -> tuple[bool, str | None]:
-    """(json_object, json_schema as JSON text) for a response_format; ValueError if it is malformed."""
-    if response_format is None:
-        return False, None
-    kind = response_format.get("type")
-    if kind == "text":
-        return False, None
-    if kind == "json_object":
-        return True, None
-    if kind != "json_schema":
-        raise ValueError("type must be one of 'text', 'json_object', 'json_schema'")
-    spec = response_format.get("json_schema")
-    if not isinstance(spec, dict):
-        raise ValueError("json_schema must be an object with a name and a schema")
-    name = spec.get("name")
-    if not isinstance(name, str) or not _SCHEMA_NAME.fullmatch(name):
-        raise ValueError("json_schema.name must be 1 to 64 letters, digits, underscores or dashes")
-    if spec.get("strict") is not None and not isinstance(spec["strict"], bool):
-        raise ValueError("json_schema.strict must be a boolean")
-    schema = spec.get("schema")
-    if schema is None:
-        return True, None  # a name and no schema: any JSON object
-    if not isinstance(schema, dict):
-        raise ValueError("json_schema.schema must be a JSON object")
-    text = json.dumps(schema, separators=(",", ":"))
-    if len(text) > MAX_SCHEMA_CHARS:
-        raise ValueError(f"json_schema.schema must be at most {MAX_SCHEMA_CHARS} characters as JSON")
-    return False, text
-
-
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    include_usage: bool = False
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
 
 class ContentPart(BaseModel):
@@ -172,18 +204,35 @@ class ContentPart(BaseModel):
     text: str | None = None
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    name: str = Field(..., min_length=1)
+    arguments: str = ""
+
+
+class ToolCallItem(BaseModel):
+    """A tool call an assistant message made earlier in the conversation."""
+
+    model_config = ConfigDict(extra="allow")
+    id: str = ""
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallItem] | None = None
+    tool_call_id: str | None = None
 
     def to_wire(self) -> wire.ChatMessage:
         """Templates expect `content` as one string; text parts are joined, others refused."""
         if isinstance(self.content, list):
             texts = []
             for part in self.content:
-                if part.type != "text" or part.text is None:
+                if part.type not in ("text", "input_text", "output_text") or part.text is None:
                     raise InvalidRequest(
                         f"content part type {part.type!r} is not supported", param="messages"
                     )
@@ -191,7 +240,21 @@ class ChatMessage(BaseModel):
             content = "".join(texts)
         else:
             content = self.content or ""
-        return wire.ChatMessage(self.role, content, self.name or None)
+        calls = [wire.ToolCall(c.id, c.function.name, c.function.arguments) for c in self.tool_calls or []]
+        return wire.ChatMessage(self.role, content, self.name or None, calls, self.tool_call_id)
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    name: str = Field(..., min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class ToolDefinition(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: Literal["function"]
+    function: FunctionDefinition
 
 
 class ChatCompletionRequest(_Request):
@@ -199,6 +262,34 @@ class ChatCompletionRequest(_Request):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[ToolDefinition] | None = Field(None, max_length=128)
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    functions: list[FunctionDefinition] | None = Field(None, max_length=128, description="Legacy tools.")
+    function_call: str | dict[str, Any] | None = Field(None, description="Legacy tool_choice.")
+    # The chat template's switches (vLLM).
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = Field(None, description="Refused: the template is the model's (models.yaml).")
+    echo: bool = Field(False, description="Refused when true (vLLM's chat echo).")
+
+    @model_validator(mode="after")
+    def _chat_rules(self) -> ChatCompletionRequest:
+        if self.chat_template is not None:
+            raise InvalidRequest(
+                "chat_template per request is not supported; set a model's template in models.yaml",
+                param="chat_template",
+            )
+        if self.echo:
+            raise InvalidRequest("echo is not supported on chat completions", param="echo")
+        if self.add_generation_prompt and self.continue_final_message:
+            raise InvalidRequest(
+                "continue_final_message needs add_generation_prompt false", param="continue_final_message"
+            )
+        if self.functions is not None and self.tools is not None:
+            raise InvalidRequest("give tools or the legacy functions, not both", param="functions")
+        return self
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
@@ -208,13 +299,42 @@ class ChatCompletionRequest(_Request):
             raise InvalidRequest("top_logprobs requires logprobs to be true", param="top_logprobs")
         return (self.top_logprobs or 0) if self.logprobs else None
 
+    def tool_definitions(self) -> tuple[list[dict[str, Any]] | None, Any]:
+        """(tools, tool_choice), the legacy functions / function_call turned into their modern form."""
+        if self.functions is not None:
+            tools = [
+                {"type": "function", "function": f.model_dump(exclude_none=True)} for f in self.functions
+            ]
+            choice: Any = self.function_call
+            if isinstance(choice, dict):
+                choice = {"type": "function", "function": {"name": choice.get("name")}}
+            return tools, choice
+        if self.tools is None:
+            return None, self.tool_choice
+        return [t.model_dump(exclude_none=True) for t in self.tools], self.tool_choice
+
+    def chat_options(self, tools: list[wire.ToolSpec]) -> wire.ChatOptions:
+        return wire.ChatOptions(
+            tools=tools,
+            add_generation_prompt=self.add_generation_prompt,
+            continue_final_message=self.continue_final_message,
+            template_kwargs=dict(self.chat_template_kwargs or {}),
+        )
+
 
 class CompletionRequest(_Request):
     prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
-    max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for legacy completions
+    # OpenAI's default for legacy completions; 0 with echo scores the prompt only (lm-eval, vLLM).
+    max_tokens: int | None = Field(16, ge=0)
     logprobs: int | None = Field(None, ge=0, le=5)
     echo: bool = False
     suffix: str | None = None
+
+    @model_validator(mode="after")
+    def _zero_tokens_echo(self) -> CompletionRequest:
+        if self.max_tokens == 0 and not self.echo:
+            raise InvalidRequest("max_tokens 0 needs echo (the prompt is all there is)", param="max_tokens")
+        return self
 
     def prompts(self) -> list[str | list[int]]:
         """One entry per prompt: text, or token ids."""
@@ -226,6 +346,12 @@ class CompletionRequest(_Request):
         if all(isinstance(p, int) for p in prompt):
             return [list(prompt)]  # type: ignore[arg-type]
         return list(prompt)  # type: ignore[arg-type]
+
+    def prompt_logprobs_count(self) -> int | None:
+        # echo with logprobs returns the prompt's logprobs too (as vLLM does, and lm-eval reads).
+        if self.echo and self.logprobs is not None:
+            return max(self.logprobs, self.prompt_logprobs or 0)
+        return self.prompt_logprobs
 
 
 _Request.model_rebuild()

@@ -1,21 +1,30 @@
-"""POST /tokenize and POST /detokenize (vLLM's shapes), answered by the model's own worker.
+"""POST /tokenize, /detokenize (and vLLM's /v1/ aliases) and GET /tokenizer_info, answered by the
+model's own worker.
 
-Runs in the gateway process. Owns the request/response schemas of the two routes; the tokenizer
-and the chat template live in the worker, which answers with a Tokens frame. These take no
-generation slot, so they work while a model is saturated.
+Runs in the gateway process. Owns the request/response schemas of these routes; the tokenizer and
+the chat template live in the worker, which answers with a Tokens frame (tokenizer_info comes from
+its Ready message). These take no generation slot, so they work while a model is saturated.
+`model` may be left out when the gateway serves one model, as lm-eval's remote tokenizer does
+(it speaks to one vLLM server, which serves one model).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
-from quart import Blueprint, jsonify
+from quart import Blueprint, jsonify, request
 from quart_schema import validate_request
 
+from gateway.errors import InvalidRequest, ModelNotFound, ServiceUnavailable
+from gateway.http.auth import may_use
 from gateway.http.current import current_gateway
-from gateway.http.schemas import ChatMessage, TokenId
+from gateway.http.schemas import ChatMessage, TokenId, ToolDefinition
+from gateway.serving.router import ModelRoute
+from gateway.tools.plan import tool_specs
 from wire import messages as wire
+from wire.params import ChatOptions
 
 blueprint = Blueprint("tokenize", __name__)
 ANSWER_TIMEOUT_S = 30.0
@@ -23,10 +32,15 @@ ANSWER_TIMEOUT_S = 30.0
 
 class TokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="allow")
-    model: str = Field(..., min_length=1)
+    model: str | None = Field(None, min_length=1, description="May be left out when one model is served.")
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1, max_length=4096)
     add_special_tokens: bool = True
+    # With messages, the chat template's switches, as in chat completions (vLLM).
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ToolDefinition] | None = None
 
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeRequest:
@@ -34,22 +48,47 @@ class TokenizeRequest(BaseModel):
             raise ValueError("give exactly one of prompt or messages")
         return self
 
+    def chat_options(self) -> ChatOptions:
+        if self.add_generation_prompt and self.continue_final_message:
+            raise InvalidRequest(
+                "continue_final_message needs add_generation_prompt false", param="continue_final_message"
+            )
+        tools = tool_specs([t.model_dump(exclude_none=True) for t in self.tools or []])
+        return ChatOptions(tools, self.add_generation_prompt, self.continue_final_message,
+                           dict(self.chat_template_kwargs or {}))  # fmt: skip
+
 
 class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="allow")
-    model: str = Field(..., min_length=1)
+    model: str | None = Field(None, min_length=1, description="May be left out when one model is served.")
     tokens: list[TokenId] = Field(..., max_length=1_000_000)
 
 
+def model_route(name: str | None) -> ModelRoute:
+    """The named model's route, or the only model's when none is named."""
+    router = current_gateway().router
+    if name is not None:
+        return router.route(name)
+    routes = list(router.routes.values())
+    if len(routes) != 1:
+        raise InvalidRequest("model is required: this gateway serves several models", param="model")
+    if not may_use(routes[0].config.name):
+        raise ModelNotFound("(default)")
+    return routes[0]
+
+
 @blueprint.post("/tokenize")
+@blueprint.post("/v1/tokenize")
 @validate_request(TokenizeRequest)
 async def tokenize(data: TokenizeRequest) -> Any:
     req = data
-    gateway = current_gateway()
-    route = gateway.router.route(req.model)
+    route = model_route(req.model)
     messages = [m.to_wire() for m in req.messages] if req.messages else None
-    reply = await gateway.service.exchange(
-        route, lambda rid: wire.Tokenize(rid, req.prompt, messages, req.add_special_tokens), ANSWER_TIMEOUT_S
+    chat = req.chat_options() if messages is not None else None
+    reply = await current_gateway().service.exchange(
+        route,
+        lambda rid: wire.Tokenize(rid, req.prompt, messages, req.add_special_tokens, chat),
+        ANSWER_TIMEOUT_S,
     )
     return jsonify(
         {"tokens": reply.token_ids, "count": len(reply.token_ids), "max_model_len": route.config.max_seq_len}
@@ -57,12 +96,24 @@ async def tokenize(data: TokenizeRequest) -> Any:
 
 
 @blueprint.post("/detokenize")
+@blueprint.post("/v1/detokenize")
 @validate_request(DetokenizeRequest)
 async def detokenize(data: DetokenizeRequest) -> Any:
     req = data
-    gateway = current_gateway()
-    route = gateway.router.route(req.model)
-    reply = await gateway.service.exchange(
+    route = model_route(req.model)
+    reply = await current_gateway().service.exchange(
         route, lambda rid: wire.Detokenize(rid, list(req.tokens)), ANSWER_TIMEOUT_S
     )
     return jsonify({"prompt": reply.text})
+
+
+@blueprint.get("/tokenizer_info")
+@blueprint.get("/v1/tokenizer_info")
+async def tokenizer_info() -> Any:
+    """vLLM's /tokenizer_info (what lm-eval's remote tokenizer reads): the tokenizer's special
+    tokens, class, length limit and chat template. `?model=` picks a model."""
+    route = model_route(request.args.get("model"))
+    ready = next((r.ready_message for r in route.replicas if r.ready and r.ready_message), None)
+    if ready is None or ready.tokenizer is None:
+        raise ServiceUnavailable(f"model '{route.config.name}' is not ready yet")
+    return jsonify(dataclasses.asdict(ready.tokenizer))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from wire.params import ChatMessage
+from wire.params import ChatMessage, ChatOptions
 from wire.results import FinishReason, JobOutput, TokenLogprob
 
 
@@ -21,6 +21,7 @@ class ChoiceInput:
     prompt_token_ids: list[int] | None = None
     messages: list[ChatMessage] | None = None
     echo: str = ""  # completions with echo: the prompt text, put before the choice's text
+    chat: ChatOptions | None = None  # with messages: tools and the template's switches
 
     def size_estimate(self) -> int:
         """Prompt tokens, roughly, before the worker has tokenized it (admission and routing)."""
@@ -38,8 +39,11 @@ class ChoiceOutput:
     cached_tokens: int = 0
     finish_reason: FinishReason | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] | None = None  # when asked for: one per prompt token
 
     def add(self, output: JobOutput) -> None:
+        if output.prompt_logprobs is not None:
+            self.prompt_logprobs = output.prompt_logprobs
         self.text_parts.append(output.text)
         self.text_length += len(output.text)
         self.completion_tokens += len(output.token_ids)

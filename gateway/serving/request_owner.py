@@ -202,7 +202,7 @@ class RequestOwner:
             choice.accepted = asyncio.get_running_loop().create_future()
             link.add_job(choice)
             generate = wire.Generate(choice.rid, choice.input.prompt, choice.input.prompt_token_ids,
-                                     choice.input.messages, choice.params)  # fmt: skip
+                                     choice.input.messages, choice.params, choice.input.chat)  # fmt: skip
             choice.sent = link.send(replica.id, generate)
             if choice.sent:
                 reply = await self._wait_accepted(choice)

@@ -1,4 +1,5 @@
-"""The set of live requests, the one ticker that watches them, and one-shot worker exchanges.
+"""The set of live requests, the one ticker that watches them, and one-shot worker exchanges
+(tokenize, detokenize, and embeddings, which take a slot).
 
 Runs in the gateway process, on its asyncio loop. Owns the registry of live `RequestOwner`s (the
 gateway's in-flight count is its size, never a counter kept by hand), the draining flag, and one
@@ -91,6 +92,27 @@ class GenerationService:
             reply = await self.link.exchange(replica.id, build(uuid.uuid4().hex), timeout_s)
         except asyncio.TimeoutError:
             raise RequestTimeout("the worker did not answer in time") from None
+        if reply is False:
+            raise WorkerFailed(f"the worker for model '{route.config.name}' is unreachable")
+        if isinstance(reply, wire.Rejected):
+            raise InvalidRequest(reply.message, code=reply.code.value, param=reply.param)
+        return reply  # type: ignore[no-any-return]
+
+    async def embed(
+        self, route: ModelRoute, message: wire.Embed, size: int, deadline: float
+    ) -> wire.Embeddings:
+        """Embeddings from a replica, taking one of its slots (so the model's queue bounds and 429
+        apply as for generation); the worker batches what it holds at once."""
+        if self.draining:
+            raise ServiceUnavailable("the server is shutting down", code="shutting_down")
+        replica = await route.acquire(deadline, size, size)
+        try:
+            timeout = max(deadline - time.monotonic(), 0.001)
+            reply = await self.link.exchange(replica.id, message, timeout)
+        except asyncio.TimeoutError:
+            raise RequestTimeout("the request timed out") from None
+        finally:
+            route.release(replica, size)
         if reply is False:
             raise WorkerFailed(f"the worker for model '{route.config.name}' is unreachable")
         if isinstance(reply, wire.Rejected):

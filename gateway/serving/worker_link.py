@@ -3,7 +3,7 @@
 Runs in the gateway process, on its asyncio loop. Owns the sockets (ipc:// in a private 0700
 directory; optionally tcp:// with CURVE for remote workers), the reader tasks that decode each
 worker frame once, and the tables that route a frame to whoever waits for it: engine jobs (each
-the `JobReceiver` of one choice of one request) and one-shot exchanges (tokenize, detokenize).
+the `JobReceiver` of one choice of one request) and one-shot exchanges (tokenize, detokenize, embed).
 Lifecycle frames (Hello, Status, Ready, Heartbeat, Fatal) go to the supervisor through a callback.
 The link never ends a request itself: it hands each event to the request's owner.
 
@@ -55,7 +55,7 @@ class JobReceiver(Protocol):
 @dataclass(eq=False)
 class _Exchange:
     worker_id: str
-    reply: asyncio.Future[wire.Tokens | wire.Rejected]
+    reply: asyncio.Future[wire.Tokens | wire.Embeddings | wire.Rejected]
 
 
 def check_remote_keys(remote: RemoteWorkersConfig) -> tuple[bytes, bytes, list[Path]]:
@@ -107,6 +107,7 @@ class WorkerLink:
             wire.Accepted: self._on_reply,
             wire.Rejected: self._on_reply,
             wire.Tokens: self._on_reply,
+            wire.Embeddings: self._on_reply,
             wire.JobsAborted: self._on_jobs_aborted,
         }
 
@@ -232,7 +233,7 @@ class WorkerLink:
         return [job for job in self._jobs.values() if job.worker_id == worker_id]
 
     async def exchange(
-        self, worker_id: str, message: wire.Tokenize | wire.Detokenize, timeout_s: float
+        self, worker_id: str, message: wire.Tokenize | wire.Detokenize | wire.Embed, timeout_s: float
     ) -> Any:
         """Send a one-shot request and wait for its Tokens or Rejected; TimeoutError past timeout_s,
         the worker's failure (an APIError) if it dies meanwhile, False if it cannot be reached."""
@@ -286,9 +287,11 @@ class WorkerLink:
             except Exception:  # one bad message must not stop the reader for every request
                 logger.exception("error handling %s from worker %s", type(message).__name__, worker_id)
 
-    def _on_reply(self, worker_id: str, message: wire.Accepted | wire.Rejected | wire.Tokens) -> None:
+    def _on_reply(
+        self, worker_id: str, message: wire.Accepted | wire.Rejected | wire.Tokens | wire.Embeddings
+    ) -> None:
         job = self._jobs.get(message.rid)
-        if job is not None and not isinstance(message, wire.Tokens):
+        if job is not None and isinstance(message, (wire.Accepted, wire.Rejected)):
             if job.worker_id == worker_id:
                 job.on_reply(message)
             return

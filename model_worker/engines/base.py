@@ -17,7 +17,7 @@ from typing import ClassVar, Protocol
 from pydantic import BaseModel, ConfigDict, Field
 
 from wire.params import SamplingParams
-from wire.results import JobOutput, RejectCode
+from wire.results import JobOutput, RejectCode, TokenLogprob
 from wire.stats import EngineInfo, EngineStats
 
 # (detail, progress in [0, 1] or None) -> None; the serve loop forwards it as a Status message.
@@ -48,6 +48,9 @@ class EngineSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     # Whether the engine refuses to run without a GPU (checked at config time for local workers).
     needs_gpu: ClassVar[bool] = False
+    # The optional request parameters this engine implements (names as in
+    # engines.validation.OPTIONAL_PARAMETERS); a job using any other is refused, naming it.
+    supported_parameters: ClassVar[frozenset[str]] = frozenset()
 
     max_batch_size: int = Field(8, ge=1, description="Jobs batched in one generator step.")
     max_chunk_size: int = Field(
@@ -77,6 +80,10 @@ class Engine(Protocol):
     def submit(self, rid: str, prompt_ids: list[int], params: SamplingParams) -> None:
         """Queue a job that passed the shared checks (engines.validation); RequestRejected if this
         engine in particular cannot run it."""
+
+    def prompt_logprobs(self, prompt_ids: list[int], top: int) -> list[TokenLogprob]:
+        """Each prompt token's logprob given the tokens before it, and its `top` alternatives; the
+        first entry has logprob None. Only asked of engines listing "prompt_logprobs" as supported."""
 
     def cancel(self, rid: str) -> bool:
         """Stop a job and free its cache; False if it was unknown or already finished."""

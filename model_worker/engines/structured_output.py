@@ -30,13 +30,23 @@ _ANY_OBJECT_SCHEMA: dict[str, Any] = {"type": "object"}
 
 
 def wants_json(params: SamplingParams) -> bool:
-    return params.json_object or params.json_schema is not None
+    """Whether the job's output is constrained (JSON, a JSON schema, or a regular expression)."""
+    return params.json_object or params.json_schema is not None or params.regex is not None
 
 
 def build_parser(params: SamplingParams) -> Any:
     """The lm-format-enforcer parser for this job; RequestRejected if the schema cannot be enforced."""
-    from lmformatenforcer import JsonSchemaParser
+    from lmformatenforcer import CharacterLevelParserConfig, JsonSchemaParser, RegexParser
 
+    if params.regex is not None:
+        try:
+            return RegexParser(params.regex)
+        except Exception as exc:  # interegular raises its own types for what it cannot compile
+            raise RequestRejected(
+                RejectCode.INVALID_RESPONSE_FORMAT,
+                f"the regular expression cannot be enforced: {_first_line(exc)}",
+                "regex",
+            ) from None
     _fix_json_parser()
     schema = _ANY_OBJECT_SCHEMA
     if params.json_schema is not None:
@@ -46,8 +56,11 @@ def build_parser(params: SamplingParams) -> Any:
             raise _invalid("json_schema.schema is not valid JSON") from None
         if not isinstance(schema, dict):
             raise _invalid("json_schema.schema must be a JSON object")
+    config = CharacterLevelParserConfig(max_consecutive_whitespaces=0) if params.compact_json else None
     try:
-        return JsonSchemaParser(schema)
+        parser = JsonSchemaParser(schema, config=config)
+        parser.whitespace_limit = config.max_consecutive_whitespaces if config else None
+        return parser
     except Exception as exc:  # pydantic and lm-format-enforcer raise many types for a bad schema
         raise _invalid(f"the JSON schema cannot be enforced: {_first_line(exc)}") from None
 
@@ -191,6 +204,7 @@ class JsonConstraint:
         from lmformatenforcer import TokenEnforcer
 
         self.enforcer = TokenEnforcer(tokenizer_data, parser)
+        _keep_whitespace_limit(parser)
         eos = tokenizer_data.eos_token_id
         self.end_ids: list[int] = list(eos) if isinstance(eos, list) else [eos]
         self.rid = rid
@@ -217,8 +231,17 @@ class JsonConstraint:
 def exllamav2_filter(parser: Any, tokenizer_data: Any) -> Any:
     """A per-job exllamav2 filter that enforces `parser`; RequestRejected if it cannot even start."""
     job_filter = _exllamav2_filter_class()(parser, tokenizer_data)
+    _keep_whitespace_limit(parser)
     _check_start(job_filter.token_enforcer)
     return job_filter
+
+
+def _keep_whitespace_limit(parser: Any) -> None:
+    """lm-format-enforcer's TokenEnforcer replaces its parser's config with a default one (keeping
+    only the alphabet); put the job's whitespace limit (compact_json) back."""
+    limit = getattr(parser, "whitespace_limit", None)
+    if limit is not None:
+        parser.config.max_consecutive_whitespaces = limit
 
 
 def _forget_before(enforcer: Any, sequence: list[int]) -> None:

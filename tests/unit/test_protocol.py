@@ -13,7 +13,7 @@ import pytest
 from tests.harness import REPO_ROOT
 from wire import messages as wire
 from wire.codec import MAX_FRAME_BYTES, ProtocolError, from_plain, to_plain
-from wire.params import ChatMessage, SamplingParams, WorkerSpec
+from wire.params import ChatMessage, ChatOptions, SamplingParams, ToolCall, ToolSpec, WorkerSpec
 from wire.results import (
     AbortReason,
     FinishReason,
@@ -24,21 +24,43 @@ from wire.results import (
     Usage,
 )
 from wire.states import WorkerState
-from wire.stats import DeviceInfo, EngineInfo, EngineStats
+from wire.stats import DeviceInfo, EngineInfo, EngineStats, TokenizerInfo
 
 INFO = EngineInfo("transformers", "5.0", 2048, 8, 512, 32000, False, [DeviceInfo(0, "cpu", "cpu")])
 MESSAGES = [
     wire.Generate("r1", "hello", None, None, SamplingParams(stop=["\n"], logit_bias={5: -1.0})),
     wire.Generate("r2", None, [1, 2, 3], None, SamplingParams()),
     wire.Generate("r3", None, None, [ChatMessage("user", "hi", "bob")], SamplingParams(max_tokens=4)),
+    wire.Generate(
+        "r4",
+        None,
+        None,
+        [
+            ChatMessage("assistant", "", None, [ToolCall("c1", "f", '{"a": 1}')]),
+            ChatMessage("tool", "2", None, [], "c1"),
+        ],
+        SamplingParams(regex="(a|b)", prompt_logprobs=2, banned_strings=["x"], allowed_token_ids=[1, 2]),
+        ChatOptions([ToolSpec("f", None, {"type": "object"})], False, True, {"enable_thinking": False}),
+    ),
     wire.Cancel("r1"),
     wire.Tokenize("t1", None, [ChatMessage("user", "hi")], True),
+    wire.Embed("e1", ["a", "b"], None),
+    wire.Embed("e2", None, [[1, 2], [3]]),
+    wire.Embeddings("e1", [[0.5, -0.25], [1.0, 0.0]], 4),
     wire.Detokenize("t2", [1, 2]),
     wire.Shutdown(2.5),
     wire.Reintroduce(),
     wire.Hello(wire.PROTOCOL_VERSION, "w#0", 1234),
     wire.Status(WorkerState.LOADING, "weights", 0.5),
     wire.Ready(INFO, 99, 1.5, 0.25, True),
+    wire.Ready(
+        INFO,
+        99,
+        1.5,
+        0.25,
+        True,
+        TokenizerInfo("PreTrainedTokenizerFast", "<s>", "</s>", None, None, "x", 2048),
+    ),
     wire.Accepted("r1", 17),
     wire.Rejected("r1", RejectCode.CONTEXT_LENGTH_EXCEEDED, "too long", "messages"),
     wire.Tokens("t1", [4, 5], ""),
@@ -52,6 +74,7 @@ MESSAGES = [
                 FinishReason.STOP,
                 Usage(3, 1, queue_s=0.5),
                 [TokenLogprob("x", 7, -0.1, [TopLogprob("x", 7, -0.1), TopLogprob("y", 8, -2.5)])],
+                [TokenLogprob("<s>", 1, None, []), TokenLogprob("a", 9, -3.0, [TopLogprob("b", 4, -1.0)], 2)],
             ),
         ]
     ),  # fmt: skip
@@ -68,11 +91,13 @@ def test_round_trip(message: wire.Message) -> None:
 
 
 def test_leaves_decode_to_their_types() -> None:
-    step = wire.decode(wire.encode(MESSAGES[14]))
+    step = wire.decode(wire.encode(next(m for m in MESSAGES if isinstance(m, wire.Step))))
     assert isinstance(step, wire.Step)
     last = step.outputs[1]
     assert last.finish_reason is FinishReason.STOP and isinstance(last.usage, Usage)
     assert last.logprobs is not None and isinstance(last.logprobs[0].top[1], TopLogprob)
+    assert last.prompt_logprobs is not None and last.prompt_logprobs[0].logprob is None
+    assert last.prompt_logprobs[1].rank == 2
     status = wire.decode(wire.encode(wire.Status(WorkerState.WARMING, "", None)))
     assert isinstance(status, wire.Status) and status.state is WorkerState.WARMING
 

@@ -57,8 +57,10 @@ def test_valid_registry_resolves_relative_paths(tmp_path: Path) -> None:
 
 def test_shipped_registry_is_valid() -> None:
     registry = load_registry(REPO_ROOT / "config" / "models.yaml")
-    assert [m.name for m in registry.models] == ["demo-small", "demo-medium"]
+    assert [m.name for m in registry.models] == ["demo-small", "demo-medium", "demo-embed"]
     assert all(m.engine == "transformers" and m.gpus == [] for m in registry.models)
+    assert [m.task for m in registry.models] == ["generate", "generate", "embed"]
+    assert [m.tool_call_parser for m in registry.models] == ["hermes", "hermes", None]
 
 
 @pytest.mark.parametrize(

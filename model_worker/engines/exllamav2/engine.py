@@ -18,6 +18,7 @@ from typing import Any
 
 from model_worker.devices import cuda_devices, gpu_memory_used_bytes
 from model_worker.engines.base import GREEDY_BELOW_TEMPERATURE, ProgressCallback, RequestRejected
+from model_worker.engines.exllamav2 import extensions, scoring
 from model_worker.engines.exllamav2.results import (
     PartialOutput,
     add_tokens,
@@ -35,7 +36,7 @@ from model_worker.engines.structured_output import (
 from model_worker.engines.token_texts import TokenTexts
 from model_worker.engines.validation import completion_budget
 from wire.params import SamplingParams
-from wire.results import FinishReason, JobOutput, RejectCode, Usage
+from wire.results import FinishReason, JobOutput, RejectCode, TokenLogprob, Usage
 from wire.stats import EngineInfo, EngineStats
 
 logger = logging.getLogger(__name__)
@@ -55,6 +56,7 @@ class _Job:
     job: Any  # ExLlamaV2DynamicJob
     prompt_tokens: int
     logprobs: int | None
+    include_stop_str: bool = False
 
 
 class ExLlamaV2Engine:
@@ -221,13 +223,14 @@ class ExLlamaV2Engine:
             filters=filters,
             # Ends the job as soon as the JSON is complete, instead of letting whitespace run on.
             filter_prefer_eos=bool(filters),
+            **extensions.job_arguments(params),
         )
         try:
             self.generator.enqueue(job)
         except AssertionError as exc:  # exllamav2 checks the fit with asserts, before changing state
             message = f"the job does not fit the cache: {exc}"
             raise RequestRejected(RejectCode.CONTEXT_LENGTH_EXCEEDED, message) from None
-        self._jobs[rid] = _Job(job, n, params.logprobs)
+        self._jobs[rid] = _Job(job, n, params.logprobs, params.include_stop_str_in_output)
 
     def _json_filters(self, params: SamplingParams) -> list[Any]:
         """The job's lm-format-enforcer filter when it asks for JSON; RequestRejected for a bad schema."""
@@ -265,7 +268,17 @@ class ExLlamaV2Engine:
             for token_id, value in params.logit_bias.items():
                 bias[token_id] = float(value)
             settings.token_bias = bias
+        if params.allowed_token_ids:
+            if not self._supports_logit_bias:
+                message = "allowed_token_ids is not supported"
+                raise RequestRejected(RejectCode.UNSUPPORTED_PARAMETER, message, "allowed_token_ids")
+            extensions.restrict_tokens(settings, params, _round_up(self.vocab_size, 32), self._torch)
         return settings
+
+    def prompt_logprobs(self, prompt_ids: list[int], top: int) -> list[TokenLogprob]:
+        return scoring.prompt_logprobs(
+            self.model, prompt_ids, top, self.max_chunk_size, self.vocab_size, self._texts
+        )
 
     def cancel(self, rid: str) -> bool:
         state = self._jobs.pop(rid, None)
@@ -314,6 +327,7 @@ class ExLlamaV2Engine:
             if piece and held.get("text", "").endswith(piece):
                 held = {**held, "text": held["text"][: -len(piece)]}
             add_tokens(part, held, self._texts, drop_last=True)
+        part.text += extensions.stop_string_text(result, state.include_stop_str)
         part.finish_reason = FinishReason.LENGTH if reason == "max_new_tokens" else FinishReason.STOP
         part.usage = Usage(
             prompt_tokens=state.prompt_tokens,

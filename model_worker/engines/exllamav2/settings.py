@@ -17,6 +17,10 @@ from model_worker.engines.base import EngineSettings
 
 class ExLlamaV2Settings(EngineSettings):
     needs_gpu: ClassVar[bool] = True
+    # bad_words is not among them: exllamav2 bans strings (banned_strings), not token sequences.
+    supported_parameters: ClassVar[frozenset[str]] = frozenset(
+        {"prompt_logprobs", "include_stop_str_in_output", "banned_strings", "allowed_token_ids"}
+    )
 
     cache_size: int | None = Field(
         None, ge=16, description="KV cache tokens shared by all jobs; default max_seq_len x max_batch_size."

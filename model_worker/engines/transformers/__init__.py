@@ -7,10 +7,17 @@ from __future__ import annotations
 
 from model_worker.engines.transformers.settings import TransformersSettings as Settings
 
-__all__ = ["Settings", "engine_class"]
+__all__ = ["Settings", "embedding_class", "engine_class"]
 
 
 def engine_class() -> type:
     from model_worker.engines.transformers.engine import TransformersEngine
 
     return TransformersEngine
+
+
+def embedding_class() -> type:
+    """The engine of `task: embed` models: a sentence-transformers model (pooling, Normalize)."""
+    from model_worker.engines.transformers.embedding import EmbeddingEngine
+
+    return EmbeddingEngine

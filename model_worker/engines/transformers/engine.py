@@ -21,6 +21,7 @@ import transformers
 
 from model_worker.devices import cuda_devices, gpu_memory_used_bytes
 from model_worker.engines.base import ProgressCallback
+from model_worker.engines.prompt_scoring import first_entry, score_rows
 from model_worker.engines.structured_output import (
     JsonConstraint,
     build_parser,
@@ -43,6 +44,8 @@ _DTYPE_NAMES = {
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
 }  # fmt: skip
+# Tries to find a token that completes no banned string; each try masks the token it refused.
+_BAN_RETRIES = 64
 
 
 @dataclass(eq=False)
@@ -200,6 +203,7 @@ class TransformersEngine:
                 end_ids | set(params.stop_token_ids),
                 self._device,
                 constraint,
+                bad_words_ids=self._bad_words_ids(params.bad_words),
             ),
             detokenizer=IncrementalDetokenizer(self.decode, prompt_ids),
             matcher=StopStringMatcher(params.stop),
@@ -207,6 +211,34 @@ class TransformersEngine:
             submitted_at=time.monotonic(),
         )
         self._admit()
+
+    def _bad_words_ids(self, words: list[str]) -> list[list[int]]:
+        """vLLM's bad_words: each word's token sequence, alone and after a space (as in a sentence)."""
+        sequences = {
+            tuple(self.encode(text, add_special_tokens=False)) for w in words for text in (w, " " + w)
+        }
+        return [list(ids) for ids in sequences if ids]
+
+    def prompt_logprobs(self, prompt_ids: list[int], top: int) -> list[TokenLogprob]:
+        """One pass over the prompt in max_chunk_size pieces with its own cache; each piece's logits
+        score the tokens that follow it, so the [prompt x vocabulary] matrix never exists whole."""
+        from transformers import DynamicCache
+
+        entries = [first_entry(prompt_ids[0], self._texts)]
+        cache = DynamicCache(config=self._model.config)
+        chunk = self.settings.max_chunk_size
+        scored = len(prompt_ids) - 1  # the last token scores nothing that is part of the prompt
+        with torch.inference_mode():
+            for start in range(0, scored, chunk):
+                end = min(start + chunk, scored)
+                input_ids = torch.tensor([prompt_ids[start:end]], dtype=torch.long, device=self._device)
+                positions = torch.arange(start, end, device=self._device).unsqueeze(0)
+                out = self._model(
+                    input_ids=input_ids, position_ids=positions, past_key_values=cache, use_cache=True
+                )
+                logprobs = torch.log_softmax(out.logits[0].float(), dim=-1)
+                entries += score_rows(logprobs, prompt_ids[start + 1 : end + 1], top, self._texts)
+        return entries
 
     def _json_tokenizer_data(self) -> Any:
         if self._json_data is None:
@@ -292,6 +324,8 @@ class TransformersEngine:
             job.first_token_at = now
         seq_len = len(job.prompt_ids) + len(job.output_ids)
         token = job.sampler.choose(job.sequence[:, :seq_len], logits)
+        if params.banned_strings:
+            token = self._avoid_banned_strings(job, job.sequence[:, :seq_len], logits, token)
         job.sequence[0, seq_len] = token
         job.output_ids.append(token)
         self._generated_tokens += 1
@@ -317,6 +351,8 @@ class TransformersEngine:
                 tail, stopped = self._drain(job)
                 text += tail
                 finish = FinishReason.STOP if stopped else FinishReason.LENGTH
+            if finish is FinishReason.STOP and params.include_stop_str_in_output:
+                text += job.matcher.hit
 
         logprobs = None
         if params.logprobs is not None:
@@ -331,6 +367,22 @@ class TransformersEngine:
                 decode_s=now - job.first_token_at,
             )
         return JobOutput(job.rid, text, [token], finish, usage, logprobs)
+
+    def _avoid_banned_strings(
+        self, job: _Job, sequence: torch.Tensor, logits: torch.Tensor, token: int
+    ) -> int:
+        """Choose again while the token would complete a banned string (case-insensitive, as in
+        exllamav2). Only text ending in the new token needs checking: earlier text passed before."""
+        banned = [s.lower() for s in job.params.banned_strings]
+        context = job.output_ids[-max(len(s) for s in banned) :]
+        for _ in range(_BAN_RETRIES):
+            text = self.decode([*context, token]).lower()
+            if not any(s in text for s in banned):
+                return token
+            logits = logits.clone()
+            logits[0, token] = float("-inf")
+            token = job.sampler.choose(sequence, logits)
+        return token
 
     @staticmethod
     def _drain(job: _Job) -> tuple[str, bool]:

@@ -19,6 +19,7 @@ from transformers.generation.logits_process import (
     LogitsProcessorList,
     MinNewTokensLengthLogitsProcessor,
     MinPLogitsWarper,
+    NoBadWordsLogitsProcessor,
     RepetitionPenaltyLogitsProcessor,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
@@ -60,6 +61,17 @@ class LogitBiasProcessor(LogitsProcessor):
         return scores + self.bias[: scores.shape[-1]].unsqueeze(0)
 
 
+class AllowedTokensProcessor(LogitsProcessor):
+    """vLLM's allowed_token_ids: every other token is masked out."""
+
+    def __init__(self, allowed: list[int], vocab_size: int, device: torch.device) -> None:
+        self.mask = torch.full((vocab_size,), float("-inf"), dtype=torch.float32, device=device)
+        self.mask[torch.tensor(allowed, dtype=torch.long, device=device)] = 0.0
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.Tensor:  # type: ignore[override]
+        return scores + self.mask[: scores.shape[-1]].unsqueeze(0)
+
+
 class JobSampler:
     """Chooses one job's next token from the model's logits for the last position."""
 
@@ -71,12 +83,18 @@ class JobSampler:
         end_ids: Iterable[int],
         device: torch.device,
         constraint: JsonConstraint | None = None,
+        bad_words_ids: list[list[int]] | None = None,
     ) -> None:
         # A temperature this close to 0 overflows logits / temperature to inf; it means greedy anyway.
         self.greedy = params.temperature < GREEDY_BELOW_TEMPERATURE
         self.prompt_len = prompt_len
         self.constraint = constraint
+        end = sorted(set(end_ids))
         processors = LogitsProcessorList()
+        if params.allowed_token_ids:
+            processors.append(AllowedTokensProcessor(params.allowed_token_ids, vocab_size, device))
+        if bad_words_ids:
+            processors.append(NoBadWordsLogitsProcessor(bad_words_ids, eos_token_id=end))
         if params.repetition_penalty != 1.0:
             processors.append(RepetitionPenaltyLogitsProcessor(float(params.repetition_penalty)))
         if params.frequency_penalty or params.presence_penalty:
@@ -85,7 +103,6 @@ class JobSampler:
             )
         if params.logit_bias:
             processors.append(LogitBiasProcessor(params.logit_bias, vocab_size, device))
-        end = sorted(set(end_ids))
         if params.min_tokens > 0 and end:
             # Last, so that no bias can lift an end token back above -inf before min_tokens.
             processors.append(
