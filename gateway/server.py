@@ -13,13 +13,20 @@ import signal
 import time
 
 from hypercorn.asyncio import serve
-from hypercorn.config import Config as HypercornConfig
 
 from gateway.config.registry import ConfigError, Registry
 from gateway.core import Gateway
 from gateway.errors import Conflict, ServiceUnavailable
 from gateway.http.admin_routes import start_reload
 from gateway.http.app import create_app
+from gateway.http.connections import (
+    FD_RESERVE,
+    CappedConfig,
+    install_prompt_close,
+    listen,
+    quiet_accept_errors,
+    raise_fd_limit,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -40,18 +47,29 @@ async def _drain(gateway: Gateway, grace_s: float) -> None:
 
 
 async def run_server(registry: Registry, host: str, port: int) -> None:
+    server = registry.server
+    fd_limit = raise_fd_limit()
+    max_connections = min(server.max_connections, max(fd_limit - FD_RESERVE, 16))
+    if max_connections < server.max_connections:
+        logger.warning("max_connections lowered to %d by the open-file limit (%d)", max_connections, fd_limit)
+    listener = listen(host, port, max_connections, server.max_connections_per_client)
     app = create_app(registry)
+    app.extensions["http_connections"] = listener.stats
     gateway: Gateway = app.extensions["gateway"]
-    config = HypercornConfig()
-    config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
+    install_prompt_close()
+    config = CappedConfig()
+    config.listener = listener
     config.accesslog = None  # gateway.http.request_log writes the access log, with request ids
     # A logger, not a stream: Hypercorn's errors then go through our handler and format (JSON too).
     config.errorlog = logging.getLogger("hypercorn.error")
-    config.keep_alive_timeout = 75
+    # Also the deadline for a new connection's request headers: Hypercorn's idle timer runs until
+    # the headers are in, so a client trickling them (slowloris) is dropped.
+    config.keep_alive_timeout = server.keep_alive_timeout_s
     # In-flight streams are drained by _drain first; this only bounds what is left after it.
     config.graceful_timeout = 2.0
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+    quiet_accept_errors(loop)
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     reloads: set[asyncio.Task[None]] = set()

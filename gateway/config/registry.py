@@ -227,6 +227,18 @@ class ServerConfig(_Strict):
     write_stall_timeout_s: float = Field(
         30.0, gt=0, description="A streaming client that reads nothing for this long is dropped."
     )
+    keep_alive_timeout_s: float = Field(
+        5.0,
+        gt=0,
+        description="An idle HTTP connection is closed after this long; it is also the deadline for a new "
+        "connection's request headers (slow-header clients are dropped).",
+    )
+    max_connections: int = Field(
+        8192, ge=16, description="Open HTTP connections at most; more are refused at once (reset)."
+    )
+    max_connections_per_client: int = Field(
+        512, ge=1, description="Open HTTP connections from one client address at most."
+    )
     readiness: Literal["all_startup", "any"] = Field(
         "all_startup",
         description="When /health/ready answers 200: every startup model is ready (all_startup), or at "

@@ -29,6 +29,7 @@ import zmq.asyncio
 from gateway.config.registry import ConfigError, RemoteWorkersConfig
 from gateway.errors import APIError
 from gateway.observability.logging_setup import RateLimitedLog
+from gateway.serving.listener_cap import ListenerCap
 from gateway.workers.remote_keys import AuthorizedKeys, WorkerKey, key_label
 from wire import messages as wire
 from wire.codec import MAX_SOCKET_MESSAGE_BYTES, ProtocolError
@@ -90,6 +91,7 @@ class WorkerLink:
         self._ctx = zmq.asyncio.Context()
         self._sock = self._router_socket()
         self._remote_sock: zmq.asyncio.Socket | None = None
+        self._remote_cap: ListenerCap | None = None
         self._authenticator: Any = None
         self.keys: AuthorizedKeys | None = None
         self._local_ids: set[str] = set()  # registered by the supervisor before each spawn
@@ -126,6 +128,8 @@ class WorkerLink:
         self._readers = [asyncio.create_task(self._read_forever(self._sock, False), name="worker-link-ipc")]
         if self.remote is not None:
             self._remote_sock = self._start_remote_listener(self.remote)
+            self._remote_cap = ListenerCap(self._remote_sock, self.remote.max_connections)
+            self._remote_cap.start()
             reader = asyncio.create_task(self._read_forever(self._remote_sock, True), name="worker-link-tcp")
             self._readers.append(reader)
 
@@ -153,6 +157,8 @@ class WorkerLink:
         for reader in self._readers:
             reader.cancel()
         await asyncio.gather(*self._readers, return_exceptions=True)
+        if self._remote_cap is not None:
+            await self._remote_cap.close()
         self._sock.close()
         if self._remote_sock is not None:
             self._remote_sock.close()

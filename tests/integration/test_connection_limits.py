@@ -1,0 +1,149 @@
+"""Connections that cannot exhaust the gateway: floods on both listeners, slow headers, and closed
+connections that free their descriptor at once. Real sockets against a real gateway process.
+
+The hostile clients connect from 127.0.0.2 (Linux routes all of 127/8 to the loopback device), the
+probe from 127.0.0.1, as an attacker and a load balancer would be different hosts.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.harness import REPO_ROOT, GatewayProcess, free_port
+from tests.integration.conftest import demo_entry, write_registry
+
+HOSTILE = 10_000
+ATTACKER = "127.0.0.2"
+
+
+def open_fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def raise_own_fd_limit(needed: int) -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < needed:
+        pytest.skip(f"this host allows {hard} open files per process; the test needs {needed}")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, needed), hard))
+
+
+def connect_from(address: str, port: int) -> socket.socket | None:
+    """A non-blocking connection to the gateway's loopback port, from another loopback address."""
+    sock = socket.socket()
+    sock.bind((address, 0))
+    sock.setblocking(False)
+    try:
+        sock.connect(("127.0.0.1", port))
+    except BlockingIOError:
+        pass
+    except OSError:
+        sock.close()
+        return None
+    return sock
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory: pytest.TempPathFactory, demo_model_dir: Path) -> Iterator[GatewayProcess]:
+    root = tmp_path_factory.mktemp("limits")
+    zmq_port = free_port()
+    keys = root / "keys"
+    subprocess.run([sys.executable, "-m", "gateway", "keys", str(keys), "--name", "gateway"],
+                   check=True, cwd=REPO_ROOT, capture_output=True)  # fmt: skip
+    subprocess.run([sys.executable, "-m", "gateway", "keys", str(keys), "--name", "w", "--models", "far"],
+                   check=True, cwd=REPO_ROOT, capture_output=True)  # fmt: skip
+    (root / "authorized").mkdir()
+    (root / "authorized" / "w.key").write_bytes((keys / "w.key").read_bytes())
+    config = write_registry(
+        root / "models.yaml",
+        [demo_entry("m", demo_model_dir), demo_entry("far", demo_model_dir, remote=True)],
+        keep_alive_timeout_s=2,
+        max_connections_per_client=256,
+        remote_workers={
+            "bind": f"tcp://127.0.0.1:{zmq_port}",
+            "secret_key_file": str(keys / "gateway.key_secret"),
+            "authorized_keys_dir": str(root / "authorized"),
+            "max_connections": 128,
+            "handshake_timeout_s": 2,
+        },
+        readiness="any",
+    )
+    with GatewayProcess(config) as gw:
+        gw.env["ZMQ_PORT"] = str(zmq_port)  # where the test finds the workers' listener
+        yield gw
+
+
+def probe_seconds(gateway: GatewayProcess) -> float:
+    started = time.monotonic()
+    response = httpx.get(gateway.url + "/health/live", timeout=5)
+    assert response.status_code == 200
+    return time.monotonic() - started
+
+
+def test_closed_connections_give_their_descriptor_back_at_once(gateway: GatewayProcess) -> None:
+    before = open_fds(gateway.pid)
+    request = b"GET /health/live HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+    for _ in range(5000):
+        with socket.create_connection(("127.0.0.1", gateway.port)) as sock:
+            sock.sendall(request)
+            assert sock.recv(4096).startswith(b"HTTP/1.1 200")
+    time.sleep(0.5)
+    assert abs(open_fds(gateway.pid) - before) <= 50, (before, open_fds(gateway.pid))
+
+
+def test_ten_thousand_hostile_connections_do_not_starve_the_probe(gateway: GatewayProcess) -> None:
+    raise_own_fd_limit(HOSTILE + 2000)
+    zmq_port = int(gateway.env["ZMQ_PORT"])
+    hostile: list[socket.socket] = []
+    try:
+        for i in range(HOSTILE):
+            # Half on the HTTP port, trickling headers; half on the workers' CURVE port, saying nothing.
+            sock = connect_from(ATTACKER, gateway.port if i % 2 else zmq_port)
+            if sock is not None:
+                hostile.append(sock)
+        for sock in hostile[1::2][:500]:
+            try:
+                sock.send(b"GET /health/live HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+            except OSError:
+                pass
+        time.sleep(1.0)
+        seconds = [probe_seconds(gateway) for _ in range(5)]
+        assert max(seconds) < 1.0, seconds
+        fds = open_fds(gateway.pid)
+        assert fds < 256 + 128 + 200, fds  # the caps, not the attacker, bound the descriptors
+    finally:
+        for sock in hostile:
+            sock.close()
+    # The slow-header connections were dropped by the header deadline (keep_alive_timeout_s=2).
+    log = gateway.log()
+    assert "too many open connections from one client" in log
+    assert "remote-worker connection from" in log and "refused" in log
+    assert log.count("refused: too many open connections") < 20  # rate-limited, not one per connection
+    assert probe_seconds(gateway) < 1.0
+
+
+def test_slow_headers_are_cut_off(gateway: GatewayProcess) -> None:
+    sock = socket.create_connection(("127.0.0.1", gateway.port))
+    sock.sendall(b"GET /health/live HTTP/1.1\r\n")
+    started = time.monotonic()
+    closed = False
+    try:
+        for _ in range(8):  # one header byte a second, for longer than the 2 s deadline
+            time.sleep(1)
+            sock.sendall(b"X")
+    except OSError:
+        closed = True
+    if not closed:
+        sock.settimeout(3)
+        closed = sock.recv(1024) == b""
+    sock.close()
+    assert closed and time.monotonic() - started < 6
