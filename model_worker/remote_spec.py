@@ -72,4 +72,14 @@ def remote_spec(config: str | Path, model: str) -> WorkerSpec:
         heartbeat_interval_s=float(server.get("heartbeat_interval_s", DEFAULT_HEARTBEAT_INTERVAL_S)),
         env={str(k): str(v) for k, v in (entry.get("env") or {}).items()},
         task=str(entry.get("task", "generate")),
+        **_constraint_budgets(entry),
     )
+
+
+def _constraint_budgets(entry: dict[str, Any]) -> dict[str, Any]:
+    """The entry's limits that the worker enforces itself (the rest are the gateway's)."""
+    limits = entry.get("limits") or {}
+    budgets = {
+        key: limits[key] for key in ("max_constraint_states", "max_constraint_compile_s") if key in limits
+    }
+    return budgets

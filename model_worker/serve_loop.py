@@ -3,12 +3,12 @@
 Runs in the worker process, on its main thread: the only thread that touches the engine (the
 exllamav2 generator is not thread-safe). Owns the DEALER socket, the engine, the prompt builder and
 the worker's own lifecycle (starting -> loading -> warming -> ready -> draining -> stopped, checked
-against wire.states). Messages are dispatched by type through a table.
+against wire.states). Messages are dispatched by type through a table; generation jobs are admitted
+and tracked by model_worker.jobs, embedding requests batched by model_worker.embedding_batch.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import sys
@@ -21,17 +21,18 @@ import zmq
 from pydantic import ValidationError
 
 from model_worker.chat_template import ChatTemplate
+from model_worker.embedding_batch import EmbeddingBatch
 from model_worker.engines import registry
 from model_worker.engines.base import Engine, RequestRejected
-from model_worker.engines.validation import check_job
 from model_worker.handshake_watch import HandshakeWatch
+from model_worker.jobs import JobDesk
 from model_worker.prompts import PromptBuilder
 from model_worker.tokenizer_info import tokenizer_info
 from model_worker.warmup import warm_up, warm_up_embeddings
 from wire import messages as wire
 from wire.codec import MAX_SOCKET_MESSAGE_BYTES, ProtocolError
 from wire.params import WorkerSpec
-from wire.results import AbortReason, FinishReason, JobOutput, RejectCode, TokenLogprob, Usage
+from wire.results import RejectCode
 from wire.states import WorkerState, check_transition
 from wire.stats import EngineInfo
 
@@ -61,12 +62,8 @@ class Worker:
         self._stop_requested = False  # SIGTERM or Shutdown: the goodbye says so
         self._ready: wire.Ready | None = None
         self._announce_draining = False
-        self._live_rids: set[str] = set()
-        self._supported: frozenset[str] = frozenset()
-        # Prompt logprobs computed at submit, sent with the job's first output.
-        self._prompt_logprobs: dict[str, list[TokenLogprob]] = {}
-        # Embed requests drained from the socket, answered together in one batch.
-        self._embed_queue: list[wire.Embed] = []
+        self.jobs: JobDesk | None = None
+        self.embeddings: EmbeddingBatch | None = None
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.IDENTITY, worker_id.encode())
@@ -134,6 +131,8 @@ class Worker:
 
     def _close(self) -> None:
         self._say_goodbye()
+        if self.jobs is not None:
+            self.jobs.close()
         if self.engine is not None:
             try:
                 self.engine.close()
@@ -158,7 +157,6 @@ class Worker:
             raise RuntimeError(f"engine_settings of model {spec.name!r} are invalid: {exc}") from None
         self._move_to(WorkerState.LOADING, f"loading {spec.engine} model", 0.0)
         started = time.monotonic()
-        self._supported = type(settings).supported_parameters
         engine_class = entry.engine_class() if spec.task != "embed" else entry.package.embedding_class()
         engine: Engine = engine_class(spec.path, spec.max_seq_len, settings)
         engine.load(lambda detail, progress: self._move_to(WorkerState.LOADING, detail, progress))
@@ -166,6 +164,9 @@ class Worker:
         self.info = engine.info()
         chat_template = ChatTemplate.for_model(spec.path, spec.chat_template)
         self.prompts = PromptBuilder(engine, chat_template, spec.name)
+        supported = type(settings).supported_parameters
+        self.jobs = JobDesk(engine, self.prompts, self.info, spec, supported, self._send)
+        self.embeddings = EmbeddingBatch(engine, self.info, spec, self._send)
         load_s = time.monotonic() - started
         logger.info("model loaded in %.1fs", load_s)
         self._move_to(WorkerState.WARMING, "warm-up generation")
@@ -196,23 +197,22 @@ class Worker:
         last_heartbeat = 0.0
         interval_s = self.spec.heartbeat_interval_s
         idle_timeout_ms = int(interval_s * 1000)
+        jobs, embeddings = self.jobs, self.embeddings
+        assert jobs is not None and embeddings is not None
         while True:
-            busy = engine.has_work()
-            # Never block on the socket while jobs are active; block only when idle.
-            if self._poller.poll(0 if busy else idle_timeout_ms):
+            # Never block on the socket while jobs are active; block only when idle (and only
+            # briefly while a job waits for its constraint to compile in the compiler process).
+            timeout_ms = 0 if engine.has_work() else (5 if jobs.waiting else idle_timeout_ms)
+            if self._poller.poll(timeout_ms):
                 self._drain_socket()
-            if self._embed_queue:
-                self._run_embeddings()
+            if embeddings.queue:
+                embeddings.run()
+            if jobs.waiting:
+                jobs.settle()
             if engine.has_work():
                 outputs = engine.step()
                 if outputs:
-                    for index, output in enumerate(outputs):
-                        if output.finish_reason is not None:
-                            self._live_rids.discard(output.rid)
-                        if self._prompt_logprobs and output.rid in self._prompt_logprobs:
-                            scored = self._prompt_logprobs.pop(output.rid)
-                            outputs[index] = dataclasses.replace(output, prompt_logprobs=scored)
-                    self._send(wire.Step(outputs))
+                    self._send(wire.Step(jobs.outputs(outputs)))
             now = time.monotonic()
             if self._announce_draining:
                 self._announce_draining = False
@@ -231,7 +231,7 @@ class Worker:
                 if not engine.has_work():
                     return
                 if now >= self._stop_deadline:
-                    self._abort_all("the server is shutting down")
+                    jobs.abort_all("the server is shutting down")
                     return
 
     def _drain_socket(self) -> None:
@@ -251,56 +251,14 @@ class Worker:
                 continue
             handler(message)
 
-    def _abort_all(self, reason: str) -> None:
-        assert self.engine is not None
-        rids = sorted(self._live_rids)
-        for rid in rids:
-            self.engine.cancel(rid)
-        self._live_rids.clear()
-        if rids:
-            self._send(wire.JobsAborted(rids, AbortReason.SHUTDOWN, reason))
-
     # ---- message handlers --------------------------------------------------------------------
 
     def _on_generate(self, msg: wire.Generate) -> None:
-        assert self.engine is not None and self.prompts is not None and self.info is not None
+        assert self.jobs is not None
         if self.state is not WorkerState.READY:
             self._send(wire.Rejected(msg.rid, RejectCode.SHUTTING_DOWN, "the model is shutting down", None))
             return
-        try:
-            if msg.rid in self._live_rids:
-                raise RequestRejected(
-                    RejectCode.DUPLICATE_REQUEST_ID, f"request id {msg.rid!r} is already running", "rid"
-                )
-            if self.spec.task == "embed":
-                raise RequestRejected(
-                    RejectCode.INVALID_REQUEST,
-                    f"model '{self.spec.name}' is an embedding model; use /v1/embeddings",
-                    "model",
-                )
-            prompt_ids = self.prompts.ids(msg.prompt, msg.prompt_token_ids, msg.messages, msg.chat)
-            params = msg.params
-            check_job(prompt_ids, params, self.info.max_seq_len, self.info.vocab_size,
-                      self._supported, self.spec.engine)  # fmt: skip
-            scored = None
-            if params.prompt_logprobs is not None:
-                # Its own pass over the prompt, before the job: scoring requests (max_tokens 0 or 1)
-                # pay one extra prefill, and no engine's generation path changes.
-                scored = self.engine.prompt_logprobs(prompt_ids, params.prompt_logprobs)
-            if params.max_tokens > 0:
-                self.engine.submit(msg.rid, prompt_ids, params)
-        except RequestRejected as exc:
-            self._send(wire.Rejected(msg.rid, exc.code, exc.message, exc.param))
-            return
-        self._send(wire.Accepted(msg.rid, len(prompt_ids)))
-        if params.max_tokens == 0:  # only the prompt was asked for: the job is over already
-            usage = Usage(prompt_tokens=len(prompt_ids), completion_tokens=0)
-            output = JobOutput(msg.rid, "", [], FinishReason.LENGTH, usage, None, scored)
-            self._send(wire.Step([output]))
-            return
-        self._live_rids.add(msg.rid)
-        if scored is not None:
-            self._prompt_logprobs[msg.rid] = scored
+        self.jobs.generate(msg)
 
     def _on_tokenize(self, msg: wire.Tokenize) -> None:
         assert self.engine is not None and self.prompts is not None
@@ -325,65 +283,12 @@ class Worker:
         self._send(wire.Tokens(msg.rid, list(msg.token_ids), self.engine.decode(list(msg.token_ids))))
 
     def _on_embed(self, msg: wire.Embed) -> None:
-        self._embed_queue.append(msg)  # answered after the socket is drained, batched with the others
-
-    def _run_embeddings(self) -> None:
-        """Every Embed drained so far, as one batch through the model; one Embeddings reply each."""
-        assert self.engine is not None
-        batch = list(self._embed_queue)
-        self._embed_queue.clear()
-        embed = getattr(self.engine, "embed", None)
-        accepted: list[tuple[wire.Embed, list[list[int]]]] = []
-        for msg in batch:
-            try:
-                if embed is None or self.spec.task != "embed":
-                    raise RequestRejected(
-                        RejectCode.INVALID_REQUEST,
-                        f"model '{self.spec.name}' is not an embedding model",
-                        "model",
-                    )
-                accepted.append((msg, self._embedding_inputs(msg)))
-            except RequestRejected as exc:
-                self._send(wire.Rejected(msg.rid, exc.code, exc.message, exc.param))
-        if not accepted:
-            return
-        assert embed is not None
-        vectors = embed([ids for _, inputs in accepted for ids in inputs])
-        start = 0
-        for msg, inputs in accepted:
-            count = len(inputs)
-            tokens = sum(len(ids) for ids in inputs)
-            self._send(wire.Embeddings(msg.rid, vectors[start : start + count], tokens))
-            start += count
-
-    def _embedding_inputs(self, msg: wire.Embed) -> list[list[int]]:
-        assert self.engine is not None and self.info is not None
-        if msg.texts is not None:
-            inputs = [self.engine.encode(text, add_special_tokens=True) for text in msg.texts]
-        else:
-            inputs = [list(ids) for ids in msg.token_ids or []]
-        limit, vocab = self.info.max_seq_len, self.info.vocab_size
-        for ids in inputs:
-            if not ids:
-                raise RequestRejected(RejectCode.INVALID_PROMPT, "An input is empty.", "input")
-            if len(ids) > limit:
-                raise RequestRejected(
-                    RejectCode.CONTEXT_LENGTH_EXCEEDED,
-                    f"This model's maximum context length is {limit} tokens, however an input has "
-                    f"{len(ids)} tokens.",
-                    "input",
-                )
-            if any(not 0 <= t < vocab for t in ids):
-                raise RequestRejected(
-                    RejectCode.INVALID_TOKENS, f"Token ids must be in [0, {vocab}).", "input"
-                )
-        return inputs
+        assert self.embeddings is not None
+        self.embeddings.queue.append(msg)  # answered after the socket is drained, batched with the others
 
     def _on_cancel(self, msg: wire.Cancel) -> None:
-        assert self.engine is not None
-        self._live_rids.discard(msg.rid)
-        self._prompt_logprobs.pop(msg.rid, None)
-        if self.engine.cancel(msg.rid):
+        assert self.jobs is not None
+        if self.jobs.cancel(msg.rid):
             logger.debug("cancelled %s", msg.rid)
 
     def _on_reintroduce(self, msg: wire.Reintroduce) -> None:

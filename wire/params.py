@@ -164,6 +164,9 @@ class WorkerSpec:
     # The model's `env` from the registry: set in the worker before its engine is imported.
     env: dict[str, str] = field(default_factory=dict)
     task: str = "generate"  # or "embed": the model answers /v1/embeddings only
+    # Budgets for compiling a job's output constraint (model_worker.constraints).
+    max_constraint_states: int = 4096
+    max_constraint_compile_s: float = 5.0
 
 
 # Registry defaults that both processes apply: the gateway to the entries it validates, a remote

@@ -62,6 +62,18 @@ class ModelLimits(_Strict):
     max_queued_prompt_tokens: int = Field(1_000_000, ge=0, description="Prompt tokens waiting, summed.")
     request_timeout_s: float = Field(600.0, gt=0, description="Deadline for one request, queueing included.")
     full_queue_status: Literal[429, 503] = Field(429, description="HTTP status when the queue is full.")
+    max_constraint_states: int = Field(
+        4096,
+        ge=16,
+        description="A response_format or regex whose automaton would need more states (estimated from its "
+        "repeats) is refused with a 400 at once.",
+    )
+    max_constraint_compile_s: float = Field(
+        5.0,
+        gt=0,
+        description="A response_format or regex not compiled within this many seconds is refused with a 400; "
+        "the worker's other jobs never wait for it.",
+    )
     wedge_timeout_s: float = Field(
         120.0,
         gt=0,
@@ -419,6 +431,8 @@ def worker_spec(model: ModelConfig, heartbeat_interval_s: float) -> WorkerSpec:
         heartbeat_interval_s=heartbeat_interval_s,
         env=dict(model.env),
         task=model.task,
+        max_constraint_states=model.limits.max_constraint_states,
+        max_constraint_compile_s=model.limits.max_constraint_compile_s,
     )
 
 

@@ -1,8 +1,11 @@
 """Structured output (response_format json_object / json_schema) by constrained decoding.
 
-Runs in a worker process, inside either engine, on the serve loop's thread (and, for exllamav2, in
-the generator's filter threads). Owns the bridge to lm-format-enforcer: the character-level JSON
-parser built from a job's SamplingParams (a schema it cannot build is a rejected request), the
+Runs in a worker process: parsers are compiled in the worker's constraint compiler process
+(model_worker.constraint_process), and used inside either engine on the serve loop's thread (and, for
+exllamav2, in the generator's filter threads). Owns the bridge to lm-format-enforcer: the
+character-level parser built from a job's SamplingParams (a schema it cannot build is a rejected
+request), a cache of compiled parsers with every regular expression's automaton built up front
+(lm-format-enforcer would otherwise build one mid-generation, on the thread stepping the job), the
 per-tokenizer data the enforcer needs, the per-job `JsonConstraint` the transformers engine asks
 for allowed tokens, and the exllamav2 filter class. lm-format-enforcer imports torch, so nothing
 here is imported by the gateway; this module imports it lazily, only when a job asks for JSON.
@@ -13,6 +16,8 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import threading
+from collections import OrderedDict
 from collections.abc import Iterable
 from typing import Any
 
@@ -34,8 +39,101 @@ def wants_json(params: SamplingParams) -> bool:
     return params.json_object or params.json_schema is not None or params.regex is not None
 
 
+# Compiled parsers, by what they enforce. A parser is immutable (each character makes a new one),
+# so jobs share it; most services send the same few schemas over and over.
+_COMPILED: OrderedDict[tuple[Any, ...], Any] = OrderedDict()
+_COMPILED_LOCK = threading.Lock()
+MAX_COMPILED = 128
+
+
+def constraint_key(params: SamplingParams) -> tuple[Any, ...]:
+    return (params.json_object, params.json_schema, params.regex, params.compact_json)
+
+
+def is_compiled(params: SamplingParams) -> bool:
+    with _COMPILED_LOCK:
+        return constraint_key(params) in _COMPILED
+
+
 def build_parser(params: SamplingParams) -> Any:
-    """The lm-format-enforcer parser for this job; RequestRejected if the schema cannot be enforced."""
+    """The job's parser: compiled already (the usual case, by model_worker.constraints), or now."""
+    key = constraint_key(params)
+    with _COMPILED_LOCK:
+        parser = _COMPILED.get(key)
+        if parser is not None:
+            _COMPILED.move_to_end(key)
+            return parser
+    return compile_parser(params)
+
+
+def compile_parser(params: SamplingParams) -> Any:
+    """Build the parser and every automaton it will need, and cache it; RequestRejected if the
+    schema or expression cannot be enforced."""
+    parser = _new_parser(params)
+    for pattern in _schema_patterns(params):
+        _build_pattern(parser, pattern)
+    remember_parser(params, parser)
+    return parser
+
+
+def remember_parser(params: SamplingParams, parser: Any) -> None:
+    """Cache a parser compiled elsewhere (the constraint compiler's process) for jobs to use."""
+    _fix_json_parser()  # the fixes patch classes: the process that steps the parser needs them too
+    with _COMPILED_LOCK:
+        _COMPILED[constraint_key(params)] = parser
+        while len(_COMPILED) > MAX_COMPILED:
+            _COMPILED.popitem(last=False)
+
+
+def patterns_of(params: SamplingParams) -> list[str]:
+    """Every regular expression the job's constraint holds (its own, or its schema's patterns)."""
+    return ([params.regex] if params.regex is not None else []) + _schema_patterns(params)
+
+
+def _schema_patterns(params: SamplingParams) -> list[str]:
+    if params.json_schema is None:
+        return []
+    found: list[str] = []
+
+    def walk(node: Any) -> None:
+        if isinstance(node, dict):
+            pattern = node.get("pattern")
+            if isinstance(pattern, str):
+                found.append(pattern)
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+
+    try:
+        walk(json.loads(params.json_schema))
+    except ValueError:
+        return []
+    return found
+
+
+def _build_pattern(parser: Any, pattern: str) -> None:
+    """Put a schema pattern's automaton where lm-format-enforcer looks for it (its root context's
+    regex cache, keyed as it strips anchors), so no generation step ever builds one."""
+    from lmformatenforcer import RegexParser
+
+    context = getattr(parser, "context", None)
+    cache = getattr(context, "regex_parser_cache", None)
+    if cache is None:
+        return
+    key = pattern[1:] if pattern.startswith("^") else pattern
+    key = key[:-1] if key.endswith("$") else key
+    if key not in cache:
+        try:
+            cache[key] = RegexParser(key, parser.config)
+        except Exception as exc:  # interegular raises its own types for what it cannot compile
+            raise _invalid(
+                f"the schema's pattern {pattern[:80]!r} cannot be enforced: {_first_line(exc)}"
+            ) from None
+
+
+def _new_parser(params: SamplingParams) -> Any:
     from lmformatenforcer import CharacterLevelParserConfig, JsonSchemaParser, RegexParser
 
     if params.regex is not None:

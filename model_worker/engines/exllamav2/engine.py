@@ -237,11 +237,15 @@ class ExLlamaV2Engine:
         if not wants_json(params):
             return []
         parser = build_parser(params)  # before the slow tokenizer data: a bad schema fails fast
+        self.prepare_constraints()
+        return [exllamav2_filter(parser, self._json_data)]
+
+    def prepare_constraints(self) -> None:
+        """Build the constraint tokenizer data ahead (called once, on a thread beside the serve loop)."""
         if self._json_data is None:
             started = time.monotonic()
             self._json_data = exllamav2_tokenizer_data(self.tokenizer)
             logger.info("structured output: tokenizer data built in %.2fs", time.monotonic() - started)
-        return [exllamav2_filter(parser, self._json_data)]
 
     def _sampler_settings(self, params: SamplingParams) -> Any:
         settings_cls = self._exl.generator.ExLlamaV2Sampler.Settings

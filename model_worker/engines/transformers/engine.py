@@ -240,6 +240,10 @@ class TransformersEngine:
                 entries += score_rows(logprobs, prompt_ids[start + 1 : end + 1], top, self._texts)
         return entries
 
+    def prepare_constraints(self) -> None:
+        """Build the constraint tokenizer data ahead (called once, on a thread beside the serve loop)."""
+        self._json_tokenizer_data()
+
     def _json_tokenizer_data(self) -> Any:
         if self._json_data is None:
             started = time.monotonic()

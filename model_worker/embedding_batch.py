@@ -1,0 +1,74 @@
+"""Embedding requests answered in batches: every Embed drained from the socket in one turn of the
+serve loop goes through the model together.
+
+Runs in the worker process, on the serve loop's thread. Owns the queue of Embed messages and the
+checks their inputs pass (empty, too long, token ids out of range), answered as Rejected.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from model_worker.engines.base import Engine, RequestRejected
+from wire import messages as wire
+from wire.params import WorkerSpec
+from wire.results import RejectCode
+from wire.stats import EngineInfo
+
+
+class EmbeddingBatch:
+    def __init__(
+        self, engine: Engine, info: EngineInfo, spec: WorkerSpec, send: Callable[[wire.Message], None]
+    ) -> None:
+        self.engine, self.info, self.spec, self.send = engine, info, spec, send
+        self.queue: list[wire.Embed] = []
+
+    def run(self) -> None:
+        """Every Embed queued so far, as one batch through the model; one Embeddings reply each."""
+        batch = list(self.queue)
+        self.queue.clear()
+        embed = getattr(self.engine, "embed", None)
+        accepted: list[tuple[wire.Embed, list[list[int]]]] = []
+        for msg in batch:
+            try:
+                if embed is None or self.spec.task != "embed":
+                    raise RequestRejected(
+                        RejectCode.INVALID_REQUEST,
+                        f"model '{self.spec.name}' is not an embedding model",
+                        "model",
+                    )
+                accepted.append((msg, self._inputs(msg)))
+            except RequestRejected as exc:
+                self.send(wire.Rejected(msg.rid, exc.code, exc.message, exc.param))
+        if not accepted:
+            return
+        assert embed is not None
+        vectors = embed([ids for _, inputs in accepted for ids in inputs])
+        start = 0
+        for msg, inputs in accepted:
+            count = len(inputs)
+            tokens = sum(len(ids) for ids in inputs)
+            self.send(wire.Embeddings(msg.rid, vectors[start : start + count], tokens))
+            start += count
+
+    def _inputs(self, msg: wire.Embed) -> list[list[int]]:
+        if msg.texts is not None:
+            inputs = [self.engine.encode(text, add_special_tokens=True) for text in msg.texts]
+        else:
+            inputs = [list(ids) for ids in msg.token_ids or []]
+        limit, vocab = self.info.max_seq_len, self.info.vocab_size
+        for ids in inputs:
+            if not ids:
+                raise RequestRejected(RejectCode.INVALID_PROMPT, "An input is empty.", "input")
+            if len(ids) > limit:
+                raise RequestRejected(
+                    RejectCode.CONTEXT_LENGTH_EXCEEDED,
+                    f"This model's maximum context length is {limit} tokens, however an input has "
+                    f"{len(ids)} tokens.",
+                    "input",
+                )
+            if any(not 0 <= t < vocab for t in ids):
+                raise RequestRejected(
+                    RejectCode.INVALID_TOKENS, f"Token ids must be in [0, {vocab}).", "input"
+                )
+        return inputs

@@ -1,0 +1,147 @@
+"""The worker's desk for generation jobs: admitting them, holding those whose constraint compiles,
+and the bookkeeping of live jobs between the socket and the engine.
+
+Runs in the worker process, on the serve loop's thread. Owns the checks a Generate passes before the
+engine sees it (one place for every engine), the scoring pass for prompt logprobs, the jobs parked
+while their output constraint compiles in its own process (the loop keeps stepping every other job
+meanwhile), and the set of live job ids (for cancels and for aborting at shutdown).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from model_worker.constraints import ConstraintCompiler
+from model_worker.engines.base import Engine, RequestRejected
+from model_worker.engines.validation import check_job
+from model_worker.prompts import PromptBuilder
+from wire import messages as wire
+from wire.params import WorkerSpec
+from wire.results import AbortReason, FinishReason, JobOutput, RejectCode, TokenLogprob, Usage
+from wire.stats import EngineInfo
+
+
+@dataclass(eq=False)
+class _Parked:
+    message: wire.Generate
+    prompt_ids: list[int]
+    constraint: tuple[Any, ...]
+
+
+class JobDesk:
+    def __init__(
+        self,
+        engine: Engine,
+        prompts: PromptBuilder,
+        info: EngineInfo,
+        spec: WorkerSpec,
+        supported: frozenset[str],
+        send: Callable[[wire.Message], None],
+    ) -> None:
+        self.engine, self.prompts, self.info, self.spec = engine, prompts, info, spec
+        self.supported = supported
+        self.send = send
+        self.live: set[str] = set()
+        self.compiler = ConstraintCompiler(spec.max_constraint_compile_s, spec.max_constraint_states)
+        self._parked: list[_Parked] = []
+        # Prompt logprobs computed at submit, sent with the job's first output.
+        self._prompt_logprobs: dict[str, list[TokenLogprob]] = {}
+        prepare = getattr(engine, "prepare_constraints", None)
+        self._prepare: Callable[[], None] | None = prepare if callable(prepare) else None
+
+    @property
+    def waiting(self) -> bool:
+        """Jobs are parked: the loop must keep turning (briefly) even with nothing to step."""
+        return bool(self._parked)
+
+    def generate(self, msg: wire.Generate) -> None:
+        try:
+            if msg.rid in self.live or any(p.message.rid == msg.rid for p in self._parked):
+                raise RequestRejected(
+                    RejectCode.DUPLICATE_REQUEST_ID, f"request id {msg.rid!r} is already running", "rid"
+                )
+            if self.spec.task == "embed":
+                raise RequestRejected(
+                    RejectCode.INVALID_REQUEST,
+                    f"model '{self.spec.name}' is an embedding model; use /v1/embeddings",
+                    "model",
+                )
+            prompt_ids = self.prompts.ids(msg.prompt, msg.prompt_token_ids, msg.messages, msg.chat)
+            check_job(prompt_ids, msg.params, self.info.max_seq_len, self.info.vocab_size,
+                      self.supported, self.spec.engine)  # fmt: skip
+            if self.compiler.needed(msg.params):
+                self._parked.append(_Parked(msg, prompt_ids, self.compiler.start(msg.params, self._prepare)))
+                return
+        except RequestRejected as exc:
+            self.send(wire.Rejected(msg.rid, exc.code, exc.message, exc.param))
+            return
+        self._start(msg, prompt_ids)
+
+    def settle(self) -> None:
+        """Start the parked jobs whose constraint is ready; refuse those that cannot have one."""
+        for parked in list(self._parked):
+            try:
+                ready = self.compiler.result(parked.constraint)
+            except RequestRejected as exc:
+                self._parked.remove(parked)
+                self.send(wire.Rejected(parked.message.rid, exc.code, exc.message, exc.param))
+                continue
+            if ready:
+                self._parked.remove(parked)
+                self._start(parked.message, parked.prompt_ids)
+
+    def _start(self, msg: wire.Generate, prompt_ids: list[int]) -> None:
+        params = msg.params
+        scored = None
+        try:
+            if params.prompt_logprobs is not None:
+                # Its own pass over the prompt, before the job: scoring requests (max_tokens 0 or 1)
+                # pay one extra prefill, and no engine's generation path changes.
+                scored = self.engine.prompt_logprobs(prompt_ids, params.prompt_logprobs)  # type: ignore[attr-defined]
+            if params.max_tokens > 0:
+                self.engine.submit(msg.rid, prompt_ids, params)
+        except RequestRejected as exc:
+            self.send(wire.Rejected(msg.rid, exc.code, exc.message, exc.param))
+            return
+        self.send(wire.Accepted(msg.rid, len(prompt_ids)))
+        if params.max_tokens == 0:  # only the prompt was asked for: the job is over already
+            usage = Usage(prompt_tokens=len(prompt_ids), completion_tokens=0)
+            self.send(wire.Step([JobOutput(msg.rid, "", [], FinishReason.LENGTH, usage, None, scored)]))
+            return
+        self.live.add(msg.rid)
+        if scored is not None:
+            self._prompt_logprobs[msg.rid] = scored
+
+    def outputs(self, outputs: list[JobOutput]) -> list[JobOutput]:
+        """A step's outputs as they leave: finished jobs forgotten, first outputs with their prompt
+        logprobs."""
+        for index, output in enumerate(outputs):
+            if output.finish_reason is not None:
+                self.live.discard(output.rid)
+            if self._prompt_logprobs and output.rid in self._prompt_logprobs:
+                scored = self._prompt_logprobs.pop(output.rid)
+                outputs[index] = dataclasses.replace(output, prompt_logprobs=scored)
+        return outputs
+
+    def cancel(self, rid: str) -> bool:
+        self.live.discard(rid)
+        self._prompt_logprobs.pop(rid, None)
+        self._parked = [p for p in self._parked if p.message.rid != rid]
+        return self.engine.cancel(rid)
+
+    def abort_all(self, reason: str) -> None:
+        rids = sorted(self.live)
+        for rid in rids:
+            self.engine.cancel(rid)
+        self.live.clear()
+        for parked in self._parked:
+            self.send(wire.Rejected(parked.message.rid, RejectCode.SHUTTING_DOWN, reason, None))
+        self._parked.clear()
+        if rids:
+            self.send(wire.JobsAborted(rids, AbortReason.SHUTDOWN, reason))
+
+    def close(self) -> None:
+        self.compiler.close()

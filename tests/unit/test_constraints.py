@@ -1,0 +1,68 @@
+"""Constraint budgets in the worker: the size estimate of a regular expression's automaton, and the
+compiler's refusals (too large at once, too slow at its budget, the same again at once) and its cache.
+The compiler's process is real: the slow compile is killed and the next one runs in a fresh child."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from model_worker.constraints import ConstraintCompiler, estimated_states
+from model_worker.engines.base import RequestRejected
+from model_worker.engines.structured_output import is_compiled
+from wire.params import SamplingParams
+
+
+@pytest.mark.parametrize(
+    ("pattern", "low", "high"),
+    [
+        ("[a-z]{1,30000}", 30000, 30001),
+        ("(ab|cd){1,300}", 1200, 1201),
+        (r"(\d{3}-){1,100}\d{4}", 400, 405),
+        ("[a-z]+@[a-z]+", 3, 10),
+        ("x{2,}", 3, 3),
+    ],
+)
+def test_size_estimate_follows_the_repeats(pattern: str, low: int, high: int) -> None:
+    assert low <= estimated_states(pattern) <= high
+
+
+def schema(pattern: str) -> SamplingParams:
+    body = {"type": "object", "properties": {"s": {"type": "string", "pattern": pattern}}}
+    return SamplingParams(json_schema=json.dumps(body))
+
+
+def wait(compiler: ConstraintCompiler, key: tuple[object, ...]) -> bool | None:
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        ready = compiler.result(key)
+        if ready is not None:
+            return ready
+        time.sleep(0.01)
+    return None
+
+
+def test_budgets_and_cache() -> None:
+    compiler = ConstraintCompiler(timeout_s=0.05, max_states=4096)
+    try:
+        with pytest.raises(RequestRejected, match="max_constraint_states"):
+            compiler.needed(schema("^[a-z]{1,30000}$"))
+        with pytest.raises(RequestRejected, match="invalid"):
+            compiler.needed(SamplingParams(regex="(unclosed"))
+        slow = schema("^[a-z]{1,3000}$")
+        assert compiler.needed(slow)
+        with pytest.raises(RequestRejected, match="within 0.05s"):
+            wait(compiler, compiler.start(slow))
+        started = time.monotonic()
+        with pytest.raises(RequestRejected, match="within 0.05s"):  # remembered: no second compile
+            compiler.needed(slow)
+        assert time.monotonic() - started < 0.05
+        fast = schema("^[0-9]{4}$")
+        assert compiler.needed(fast)
+        assert wait(compiler, compiler.start(fast)) is True
+        assert is_compiled(fast) and not compiler.needed(fast)  # cached: the next job starts at once
+        assert not compiler.needed(SamplingParams())  # no constraint: nothing to wait for
+    finally:
+        compiler.close()
