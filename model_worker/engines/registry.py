@@ -57,4 +57,5 @@ def create_engine(name: str, path: str, max_seq_len: int, settings: dict[str, An
     """An engine, unloaded, with its settings validated by its own settings model (ValidationError
     if they are invalid). For the serve loop, benchmarks and tests alike."""
     entry = lookup(name)
-    return entry.engine_class()(path, max_seq_len, entry.settings.model_validate(settings or {}))
+    validated = entry.settings.model_validate(settings or {}, context={"max_seq_len": max_seq_len})
+    return entry.engine_class()(path, max_seq_len, validated)
