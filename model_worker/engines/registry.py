@@ -18,6 +18,7 @@ from model_worker.engines.base import EngineSettings
 ENGINES = {
     "transformers": "model_worker.engines.transformers",
     "exllamav2": "model_worker.engines.exllamav2",
+    "exllamav3": "model_worker.engines.exllamav3",
 }
 
 # Fault-injection engines (`test:module.Class`, a class with a `Settings` attribute) exist only in
