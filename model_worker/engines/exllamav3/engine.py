@@ -185,9 +185,14 @@ class ExLlamaV3Engine:
             return []
         schema = params.json_schema if params.json_schema is not None else _ANY_OBJECT_SCHEMA
         try:
-            if not isinstance(json.loads(schema), dict):
+            parsed = json.loads(schema)
+            if not isinstance(parsed, dict):
                 raise ValueError("json_schema.schema must be a JSON object")
-            return [self._exl.LLGuidanceFilter(self.tokenizer, json_schema=schema, eos_after_completed=True)]
+            # llguidance allows any run of whitespace between JSON tokens by default, and a model may
+            # then never close the object; compact JSON unless the schema sets its own options.
+            parsed.setdefault("x-guidance", {"whitespace_flexible": False})
+            filter_ = self._exl.LLGuidanceFilter(self.tokenizer, json_schema=parsed, eos_after_completed=True)
+            return [filter_]
         except ValueError as exc:  # json.JSONDecodeError included; llguidance: "Invalid grammar: ..."
             message = f"the JSON schema cannot be enforced: {str(exc).strip().splitlines()[0][:200]}"
             raise RequestRejected(RejectCode.INVALID_RESPONSE_FORMAT, message, "response_format") from None
