@@ -18,17 +18,20 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import platform
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
-from bench.streams import Round, http_round, raw_round, summarize  # noqa: E402
+from bench.profiling import Profiler  # noqa: E402
+from bench.streams import Round, engine_round, http_round, raw_round, summarize  # noqa: E402
 from model_worker.engines.registry import create_engine  # noqa: E402
 from tests.gpu.support import gateway_env, write_registry  # noqa: E402
 from tests.harness import GatewayProcess  # noqa: E402
@@ -59,7 +62,8 @@ def gateway(config: Path, log: Path) -> GatewayProcess:
 
 
 def run_overhead(args: argparse.Namespace, report: dict[str, Any]) -> None:
-    """Raw vs gateway at each concurrency, alternating rounds; then logprobs vs none (gateway)."""
+    """Raw vs gateway (and optionally our engine in-process) at each concurrency, alternating
+    rounds; then logprobs vs none (gateway); then, with --py-spy, one profiled round of each."""
     engine = create_engine(args.engine, args.model, args.max_seq_len, settings(args))
     engine.load(lambda detail, progress: None)
     report["info"] = {k: v for k, v in dataclasses.asdict(engine.info()).items() if k != "devices"}
@@ -70,26 +74,44 @@ def run_overhead(args: argparse.Namespace, report: dict[str, Any]) -> None:
         for count in args.streams:
             texts = prompts(count)
             ids = [engine.encode(text, True) for text in texts]
-            rounds: dict[str, list[Round]] = {"raw": [], "gateway": []}
-            raw_round(args.engine, engine, ids, args.new_tokens)  # warm-up: this batch shape, once each
-            http_round(gw.url, "m", texts, args.new_tokens, None)
-            for _ in range(args.rounds if count > 1 else args.rounds + 1):
-                rounds["raw"].append(raw_round(args.engine, engine, ids, args.new_tokens))
-                rounds["gateway"].append(http_round(gw.url, "m", texts, args.new_tokens, None))
+            run = {
+                "raw": partial(raw_round, args.engine, engine, ids, args.new_tokens),
+                "engine": partial(engine_round, engine, ids, args.new_tokens),
+                "gateway": partial(http_round, gw.url, "m", texts, args.new_tokens, None),
+            }
+            paths = [path for path in run if path in args.paths]
+            rounds: dict[str, list[Round]] = {path: [] for path in paths}
+            for path in paths:  # warm-up: this batch shape, once each
+                run[path]()
+            for _ in range(args.rounds):
+                for path in paths:
+                    rounds[path].append(run[path]())
             for path, done in rounds.items():
                 report["rows"].append({"path": path, "streams": count, **summarize(done)})
             print(f"bench: {count} streams done", flush=True)
-        engine.close()
         for count in args.logprob_streams:
             texts = prompts(count)
             http_round(gw.url, "m", texts, args.new_tokens, 1)
-            rounds = {"gateway": [], "gateway, logprobs 1": []}
+            lp_rounds: dict[str, list[Round]] = {"gateway": [], "gateway, logprobs 1": []}
             for _ in range(args.rounds):
-                rounds["gateway"].append(http_round(gw.url, "m", texts, args.new_tokens, None))
-                rounds["gateway, logprobs 1"].append(http_round(gw.url, "m", texts, args.new_tokens, 1))
-            for path, done in rounds.items():
+                lp_rounds["gateway"].append(http_round(gw.url, "m", texts, args.new_tokens, None))
+                lp_rounds["gateway, logprobs 1"].append(http_round(gw.url, "m", texts, args.new_tokens, 1))
+            for path, done in lp_rounds.items():
                 report["logprobs"].append({"path": path, "streams": count, **summarize(done)})
+            print(f"bench: logprobs at {count} streams done", flush=True)
+        if args.py_spy:
+            profiler = Profiler(args.py_spy, args.out_dir / "profiles")
+            pids = {"worker": int(gw.workers()[0]["pid"]), "gateway": gw.pid}
+            for count in args.streams[:: max(len(args.streams) - 1, 1)]:  # the first and last level
+                texts = prompts(count)
+                ids = [engine.encode(text, True) for text in texts]
+                with profiler.record(f"raw-{count}", {"bench": os.getpid()}):
+                    raw_round(args.engine, engine, ids, args.new_tokens)
+                with profiler.record(f"gateway-{count}", pids):
+                    http_round(gw.url, "m", texts, args.new_tokens, None)
+            report["profiles"] = profiler.summaries
         report["worker"] = gw.workers()[0]["info"]
+    engine.close()
 
 
 def run_mixed(args: argparse.Namespace, report: dict[str, Any]) -> None:
@@ -187,6 +209,10 @@ def markdown(report: dict[str, Any]) -> str:
         target = f"mixed registry: {m['model']}, {m['streams']} streams, other model busy >= 0.95 x alone"
         measured = f"{m['together']['tok_s_total']:.1f} vs {m['alone']['tok_s_total']:.1f}: {m['ratio']:.3f}"
         lines.append(f"| {target} | {measured} | {met} |")
+    for label, summary in report.get("profiles", {}).items():
+        busy = summary.get("samples", 0) - summary.get("idle", 0)
+        top = "; ".join(f"{frame.split(' (')[0]} {pct}%" for frame, pct in summary.get("self_pct", [])[:6])
+        lines.append(f"| profile {label}: {busy} busy samples, most self time | {top or summary} | - |")
     return "\n".join(lines)
 
 
@@ -197,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--streams", default="1,4,16,64", help="concurrency levels")
     parser.add_argument("--logprob-streams", default="64", help="levels for logprobs vs none ('' to skip)")
     parser.add_argument("--new-tokens", type=int, default=256)
-    parser.add_argument("--rounds", type=int, default=2, help="measured rounds per level (one more at 1)")
+    parser.add_argument("--rounds", type=int, default=2, help="measured rounds per level and path")
     parser.add_argument("--max-seq-len", type=int, default=4096)
     parser.add_argument("--cache-size", type=int, default=65536, help="KV cache tokens, both paths")
     parser.add_argument(
@@ -205,9 +231,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--mixed-streams", type=int, default=16)
     parser.add_argument("--skip-overhead", action="store_true", help="only the mixed-registry scenario")
+    parser.add_argument("--paths", default="raw,gateway", help="raw, engine (ours, in-process), gateway")
+    parser.add_argument(
+        "--py-spy", help="py-spy binary: profile one round of each path at the first and last level"
+    )
     parser.add_argument("--out-dir", type=Path, default=Path("bench/results"))
     args = parser.parse_args(argv)
     args.streams = [int(s) for s in args.streams.split(",") if s]
+    args.paths = args.paths.split(",")
     args.logprob_streams = [int(s) for s in args.logprob_streams.split(",") if s]
     args.out_dir.mkdir(parents=True, exist_ok=True)
 

@@ -81,6 +81,27 @@ def raw_round(engine_name: str, engine: Any, prompts: list[list[int]], new_token
     return Round(streams, steps)
 
 
+def engine_round(engine: Any, prompts: list[list[int]], new_tokens: int) -> Round:
+    """One round through our engine's submit/step in this process (the worker's engine, no serve
+    loop, socket or HTTP): with raw and gateway rounds it splits the gateway's overhead in two."""
+    from wire.params import SamplingParams
+
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    streams = {f"e{i}": Stream(0.0) for i in range(len(prompts))}
+    for (rid, stream), prompt in zip(streams.items(), prompts, strict=True):
+        stream.started = time.perf_counter()
+        engine.submit(rid, prompt, params)
+    steps: list[float] = []
+    while engine.has_work():
+        started = time.perf_counter()
+        outputs = engine.step()
+        now = time.perf_counter()
+        steps.append(now - started)
+        for output in outputs:
+            streams[output.rid].token_times += [now] * len(output.token_ids)
+    return Round(list(streams.values()), steps)
+
+
 def http_round(url: str, model: str, prompts: list[str], new_tokens: int, logprobs: int | None) -> Round:
     """One round of concurrent streamed completions, one client connection per stream."""
     body: dict[str, Any] = {"model": model, "max_tokens": new_tokens, "temperature": 0, "ignore_eos": True,
@@ -131,6 +152,8 @@ def summarize(rounds: list[Round]) -> dict[str, Any]:
     totals = [sum(s.tokens for s in r.streams) / (max(s.token_times[-1] for s in r.streams)
               - min(s.started for s in r.streams)) for r in rounds]  # fmt: skip
     tokens = sum(s.tokens for s in streams)
+    mean_gap = sum(gaps) / len(gaps) if gaps else 0.0
+    median_gap = percentile(gaps, 0.5)
     return {
         "tok_s_total": sorted(totals)[len(totals) // 2],
         "tok_s_per_stream": percentile([s.tok_s for s in streams], 0.5),
@@ -138,6 +161,10 @@ def summarize(rounds: list[Round]) -> dict[str, Any]:
         "ttft_ms_p99": 1000 * percentile([s.ttft for s in streams], 0.99),
         "gap_ms_p50": 1000 * percentile(gaps, 0.5),
         "gap_ms_p99": 1000 * percentile(gaps, 0.99),
+        "gap_ms_mean": 1000 * mean_gap,
+        "gap_ms_max": 1000 * max(gaps, default=0.0),
+        # Time per stream spent in gaps longer than twice the median: stalls, not steady steps.
+        "stall_ms_per_stream": 1000 * sum(g for g in gaps if g > 2 * median_gap) / max(len(streams), 1),
         "step_ms_p50": 1000 * percentile(steps, 0.5) if steps else None,
         "step_ms_p99": 1000 * percentile(steps, 0.99) if steps else None,
         "tokens": tokens,

@@ -17,6 +17,7 @@
 #                     and benchmark that need two GPUs), "spec" (speculative decoding), or a pytest
 #                     path such as "tests/gpu/test_batching.py"
 #   GPU_RUN_BUDGET_S  wall-clock budget in seconds; stages are cut to fit (default 540)
+# A py-spy wheel in .tools/ (optional) makes the benchmarks profile one round of each path.
 set -uo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -37,7 +38,7 @@ declare -A status
 say "host: $(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | paste -sd';')"
 
 # ---- 1. wheels, extensions, flash-attn --------------------------------------------------------------
-stamp="$(ls .whl .gpu 2>/dev/null | md5sum | cut -c1-12)"
+stamp="$(ls .whl .gpu .tools 2>/dev/null | md5sum | cut -c1-12)"
 if [[ ! -f /tmp/site/.installed-$stamp ]]; then
     rm -rf /tmp/site /tmp/ext && mkdir -p /tmp/ext
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -46,6 +47,9 @@ if [[ ! -f /tmp/site/.installed-$stamp ]]; then
         [[ -f .gpu/$ext.so.xz ]] && xz -dc ".gpu/$ext.so.xz" >"/tmp/ext/$ext.so"
     done
     [[ -f .gpu/flash_attn.tar.xz ]] && xz -dc .gpu/flash_attn.tar.xz | tar x -C /tmp/ext
+    if ls .tools/py_spy-*.whl >/dev/null 2>&1; then
+        python3 -m pip install -q --no-index --no-deps --target /tmp/tools .tools/py_spy-*.whl
+    fi
     touch "/tmp/site/.installed-$stamp"
     say "installed $(ls .whl | wc -l) wheels and $(ls /tmp/ext | paste -sd' ')"
 fi
@@ -99,16 +103,19 @@ run_bench() {  # name, cap seconds, bench_engines.py arguments...
     local name=$1 limit; limit=$(allow "$2"); shift 2
     ((limit > 60)) || { status[$name]="skipped (out of time)"; return; }
     say "stage $name (limit ${limit}s)"
-    timeout -k 10 "$limit" python3 bench/bench_engines.py --model "$GPU_TEST_BIG_MODEL" --out-dir /tmp/bench "$@"
+    local profile=()
+    [[ -x /tmp/tools/bin/py-spy ]] && profile=(--py-spy /tmp/tools/bin/py-spy)
+    timeout -k 10 "$limit" python3 bench/bench_engines.py --model "$GPU_TEST_BIG_MODEL" --out-dir /tmp/bench \
+        "${profile[@]}" "$@"
     status[$name]="rc=$?"
 }
 two_gpu_tests=(tests/gpu/test_mixed_registry.py tests/gpu/test_gateway_gpu.py::test_models_on_two_gpus_are_pinned
                tests/gpu/test_gateway_gpu.py::test_one_model_autosplit_over_two_gpus)
 for stage in $stages; do
     case $stage in
-        tests) run_pytest tests 420 tests/gpu --deselect tests/gpu/test_mixed_registry.py ;;
-        bench-v2) run_bench bench-v2 240 --engine exllamav2 ;;
-        bench-v3) run_bench bench-v3 260 --engine exllamav3 ;;
+        tests) run_pytest tests 420 tests/gpu --ignore tests/gpu/test_mixed_registry.py ;;
+        bench-v2) run_bench bench-v2 300 --engine exllamav2 --paths raw,engine,gateway ;;
+        bench-v3) run_bench bench-v3 330 --engine exllamav3 ;;
         two-gpus)
             if ((gpus < 2)); then status[two-gpus]="skipped (one GPU)"; continue; fi
             run_pytest two-gpus 240 "${two_gpu_tests[@]}"
@@ -132,6 +139,7 @@ done
 # Benchmark tables and JSON, and the gateway and worker logs in one file (only 8 files come back).
 mkdir -p /tmp/bench
 cat /tmp/bench/*.md >"$OUT/bench.md" 2>/dev/null
+[[ -d /tmp/bench/profiles ]] && tar czf "$OUT/profiles.tar.gz" -C /tmp/bench profiles
 python3 -c "import json, glob; print(json.dumps({f: json.load(open(f)) for f in sorted(glob.glob('/tmp/bench/*.json'))}))" \
     >"$OUT/bench.json" 2>/dev/null
 for log in $(find /tmp/gpu-pytest-* /tmp/bench -name '*.log' 2>/dev/null | sort); do
