@@ -88,6 +88,7 @@ def run_overhead(args: argparse.Namespace, report: dict[str, Any]) -> None:
                     rounds[path].append(run[path]())
             for path, done in rounds.items():
                 report["rows"].append({"path": path, "streams": count, **summarize(done)})
+            args.save()  # after each level: a run cut short keeps what it measured
             print(f"bench: {count} streams done", flush=True)
         for count in args.logprob_streams:
             texts = prompts(count)
@@ -98,6 +99,7 @@ def run_overhead(args: argparse.Namespace, report: dict[str, Any]) -> None:
                 lp_rounds["gateway, logprobs 1"].append(http_round(gw.url, "m", texts, args.new_tokens, 1))
             for path, done in lp_rounds.items():
                 report["logprobs"].append({"path": path, "streams": count, **summarize(done)})
+            args.save()
             print(f"bench: logprobs at {count} streams done", flush=True)
         if args.py_spy:
             profiler = Profiler(args.py_spy, args.out_dir / "profiles")
@@ -109,7 +111,8 @@ def run_overhead(args: argparse.Namespace, report: dict[str, Any]) -> None:
                     raw_round(args.engine, engine, ids, args.new_tokens)
                 with profiler.record(f"gateway-{count}", pids):
                     http_round(gw.url, "m", texts, args.new_tokens, None)
-            report["profiles"] = profiler.summaries
+                report["profiles"] = profiler.summaries
+                args.save()
         report["worker"] = gw.workers()[0]["info"]
     engine.close()
 
@@ -124,11 +127,17 @@ def run_mixed(args: argparse.Namespace, report: dict[str, Any]) -> None:
         texts = prompts(count)
         for name in ("v2", "v3"):
             http_round(gw.url, name, texts, args.new_tokens, None)
-        alone = {name: [http_round(gw.url, name, texts, args.new_tokens, None)] for name in ("v2", "v3")}
-        with ThreadPoolExecutor(2) as pool:
-            both = list(pool.map(lambda n: http_round(gw.url, n, texts, args.new_tokens, None), ("v2", "v3")))
-    for name, together in zip(("v2", "v3"), both, strict=True):
-        row_alone, row_both = summarize(alone[name]), summarize([together])
+        alone: dict[str, list[Round]] = {"v2": [], "v3": []}
+        both: dict[str, list[Round]] = {"v2": [], "v3": []}
+        for _ in range(args.rounds):  # alone and together alternate
+            for name in ("v2", "v3"):
+                alone[name].append(http_round(gw.url, name, texts, args.new_tokens, None))
+            with ThreadPoolExecutor(2) as pool:
+                rounds = pool.map(lambda n: http_round(gw.url, n, texts, args.new_tokens, None), ("v2", "v3"))
+                for name, done in zip(("v2", "v3"), rounds, strict=True):
+                    both[name].append(done)
+    for name in ("v2", "v3"):
+        row_alone, row_both = summarize(alone[name]), summarize(both[name])
         report["mixed"].append({"model": name, "streams": count, "alone": row_alone, "together": row_both,
                                 "ratio": row_both["tok_s_total"] / row_alone["tok_s_total"]})  # fmt: skip
 
@@ -256,6 +265,18 @@ def main(argv: list[str] | None = None) -> int:
         "settings": {**settings(args), "max_seq_len": args.max_seq_len, "greedy": True},
         "rows": [], "logprobs": [], "mixed": [], "errors": [],
     }  # fmt: skip
+    stem = f"bench_{args.engine if not args.skip_overhead else 'mixed'}"
+
+    def save() -> str:
+        report["targets"] = [
+            {"target": t, "measured": m, "met": met} for t, m, met in targets(report["rows"])
+        ]
+        (args.out_dir / f"{stem}.json").write_text(json.dumps(report, indent=1))
+        table = markdown(report)
+        (args.out_dir / f"{stem}.md").write_text(table + "\n")
+        return table
+
+    args.save = save
     scenarios = [] if args.skip_overhead else [run_overhead]
     if args.mixed_model and torch.cuda.device_count() >= 2:
         scenarios.append(run_mixed)
@@ -265,12 +286,7 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as exc:  # one broken scenario must not lose the others' numbers
             print(f"bench: {scenario.__name__} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
             report["errors"].append(f"{scenario.__name__}: {type(exc).__name__}: {str(exc)[:2000]}")
-    report["targets"] = [{"target": t, "measured": m, "met": met} for t, m, met in targets(report["rows"])]
-    stem = f"bench_{args.engine if not args.skip_overhead else 'mixed'}"
-    (args.out_dir / f"{stem}.json").write_text(json.dumps(report, indent=1))
-    table = markdown(report)
-    (args.out_dir / f"{stem}.md").write_text(table + "\n")
-    print(table)
+    print(save())
     return 1 if report["errors"] else 0
 
 

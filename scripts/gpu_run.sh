@@ -115,7 +115,7 @@ for stage in $stages; do
     case $stage in
         tests) run_pytest tests 420 tests/gpu --ignore tests/gpu/test_mixed_registry.py ;;
         bench-v2) run_bench bench-v2 300 --engine exllamav2 --paths raw,engine,gateway ;;
-        bench-v3) run_bench bench-v3 330 --engine exllamav3 ;;
+        bench-v3) run_bench bench-v3 400 --engine exllamav3 ;;
         two-gpus)
             if ((gpus < 2)); then status[two-gpus]="skipped (one GPU)"; continue; fi
             run_pytest two-gpus 240 "${two_gpu_tests[@]}"
