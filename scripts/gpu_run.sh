@@ -114,8 +114,8 @@ two_gpu_tests=(tests/gpu/test_mixed_registry.py tests/gpu/test_gateway_gpu.py::t
 for stage in $stages; do
     case $stage in
         tests) run_pytest tests 420 tests/gpu --ignore tests/gpu/test_mixed_registry.py ;;
-        bench-v2) run_bench bench-v2 300 --engine exllamav2 --paths raw,engine,gateway ;;
-        bench-v3) run_bench bench-v3 400 --engine exllamav3 ;;
+        bench-v2) run_bench bench-v2 270 --engine exllamav2 --paths raw,engine,gateway ;;
+        bench-v3) run_bench bench-v3 290 --engine exllamav3 ;;
         two-gpus)
             if ((gpus < 2)); then status[two-gpus]="skipped (one GPU)"; continue; fi
             run_pytest two-gpus 240 "${two_gpu_tests[@]}"

@@ -100,6 +100,13 @@ class ExLlamaV3Engine:
             tokenizer=self.tokenizer,
             max_batch_size=s.max_batch_size,
             max_chunk_size=s.max_chunk_size,
+            # By default exllamav3 lets a new prompt in only every fifth step, one job at a time, with
+            # half chunks, while other jobs generate: behind a gateway requests arrive while others
+            # run, and the 64th of a burst waited 11 s for its first token (0.2 s in-process, where
+            # all 64 arrive before the first step). Like exllamav2, every job now prefills a full
+            # chunk per step; max_chunk_size still bounds what one step adds per job.
+            prefill_cooldown=0,
+            shared_chunk_size=s.max_chunk_size,
             draft_model=self.draft_model,
             draft_cache=self.draft_cache,
             num_draft_tokens=NUM_DRAFT_TOKENS if s.drafts else None,
