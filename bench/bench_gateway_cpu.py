@@ -119,9 +119,9 @@ def raw_run(engine: Any, tokens: int) -> dict[str, Any]:
     return {"started": started, "times": times, "steps": steps, "tokens": count}
 
 
-def http_run(client: httpx.Client, tokens: int) -> dict[str, Any]:
+def http_run(client: httpx.Client, tokens: int, choices: int = 1) -> dict[str, Any]:
     """One streamed completion; a chunk's arrival time is when its SSE data line was read."""
-    body = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": tokens, "temperature": 0,
+    body = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": tokens, "temperature": 0, "n": choices,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
     started = time.perf_counter()
     times: list[float] = []
@@ -195,7 +195,7 @@ def sweep(engine: Any, url: str, args: argparse.Namespace) -> dict[str, list[dic
 
 
 def engine_settings(args: argparse.Namespace) -> dict[str, Any]:
-    return {"threads": 1, "max_batch_size": args.streams, "max_chunk_size": 2048}
+    return {"threads": 1, "max_batch_size": args.streams * args.choices, "max_chunk_size": 2048}
 
 
 def measure(model_dir: Path, work: Path, args: argparse.Namespace) -> dict[str, Any]:
@@ -206,7 +206,8 @@ def measure(model_dir: Path, work: Path, args: argparse.Namespace) -> dict[str, 
     engine.load(lambda detail, progress: None)
     entry = {"name": MODEL_NAME, "engine": "transformers", "path": str(model_dir), "max_seq_len": 2048,
              "engine_settings": engine_settings(args),
-             "limits": {"max_concurrent_jobs": args.streams, "max_queued_requests": 64}}  # fmt: skip
+             "limits": {"max_concurrent_jobs": args.streams * args.choices,
+                        "max_queued_requests": 64}}  # fmt: skip
     config = work / "models.yaml"
     config.write_text(yaml.safe_dump({"models": [entry]}))
     with GatewayProcess(config, ready_timeout=300, log_path=work / "gateway.log") as gw:
@@ -228,7 +229,9 @@ def measure(model_dir: Path, work: Path, args: argparse.Namespace) -> dict[str, 
         clients = [httpx.Client(base_url=gw.url) for _ in range(args.streams)]
         watch = CpuWatch(pids)
         with ThreadPoolExecutor(args.streams) as pool:
-            burst = list(pool.map(lambda c: http_run(c, args.burst_tokens or args.tokens), clients))
+            burst = list(
+                pool.map(lambda c: http_run(c, args.burst_tokens or args.tokens, args.choices), clients)
+            )
         burst_cpu = watch.stop()
         for client in clients:
             client.close()
@@ -238,7 +241,8 @@ def measure(model_dir: Path, work: Path, args: argparse.Namespace) -> dict[str, 
         "raw": {**summarize(raw_runs), "step_ms_p50": 1000 * pct(steps, 0.5),
                 "step_ms_p99": 1000 * pct(steps, 0.99)},
         "gateway": summarize(http_runs),
-        "burst": {"streams": args.streams, "tokens": streamed, "tok_s": streamed / burst_cpu["wall_s"],
+        "burst": {"streams": args.streams, "choices": args.choices, "tokens": streamed,
+                  "tok_s": streamed / burst_cpu["wall_s"],
                   "chunks": sum(len(r["times"]) for r in burst),
                   **{f"{k}_us_per_token": 1e6 * burst_cpu[k] / streamed for k in pids}},
         "cpu_s": {"single_stream_phase": single_cpu, "idle": idle_cpu, "burst": burst_cpu},
@@ -290,7 +294,7 @@ def markdown(report: dict[str, Any]) -> str:
         f"| gateway tok/s ÷ raw tok/s | {report['ratios']['tok_s_ratio']:.3f} |",
         f"| TTFT added by the gateway | {report['ratios']['ttft_added_ms']:.2f} ms |",
         f"| raw engine step interval p50 / p99 | {raw['step_ms_p50']:.3f} / {raw['step_ms_p99']:.3f} ms |",
-        f"| burst | {burst['streams']} streams × {burst['tokens'] // burst['streams']} tokens, "
+        f"| burst | {burst['streams']} streams × {burst['choices']} choices, {burst['tokens']} tokens, "
         f"{burst['tok_s']:.1f} tok/s total, {burst['chunks']} chunks |",
         f"| gateway CPU per streamed token | {burst['gateway_us_per_token']:.1f} µs |",
         f"| worker CPU per streamed token | {burst['worker_us_per_token']:.1f} µs |",
@@ -316,6 +320,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--streams", type=int, default=8, help="concurrent streams in the CPU burst")
     parser.add_argument("--burst-tokens", type=int, help="max_tokens per burst stream (default: --tokens)")
+    parser.add_argument(
+        "--choices",
+        type=int,
+        default=1,
+        help="n per burst request: one step then queues n outputs per stream",
+    )
     parser.add_argument("--idle-s", type=float, default=2.0, help="idle window for the baseline CPU rate")
     parser.add_argument("--concurrency", default="1,2,4,8", help="levels of the sweep (at most --streams)")
     parser.add_argument("--out", type=Path, default=Path("bench/results"))

@@ -45,12 +45,19 @@ class JobDesk:
         self.supported = supported
         self.send = send
         self.live: set[str] = set()
-        self.compiler = ConstraintCompiler(spec.max_constraint_compile_s, spec.max_constraint_states)
         self._parked: list[_Parked] = []
         # Prompt logprobs computed at submit, sent with the job's first output.
         self._prompt_logprobs: dict[str, list[TokenLogprob]] = {}
+        # Engines that enforce constraints with lm-format-enforcer (they build its tokenizer data in
+        # prepare_constraints) get their parsers compiled ahead; exllamav3 compiles its own
+        # (llguidance, lazily, in Rust) when the job is submitted.
         prepare = getattr(engine, "prepare_constraints", None)
         self._prepare: Callable[[], None] | None = prepare if callable(prepare) else None
+        self.compiler = (
+            ConstraintCompiler(spec.max_constraint_compile_s, spec.max_constraint_states)
+            if self._prepare is not None
+            else None
+        )
 
     @property
     def waiting(self) -> bool:
@@ -72,7 +79,7 @@ class JobDesk:
             prompt_ids = self.prompts.ids(msg.prompt, msg.prompt_token_ids, msg.messages, msg.chat)
             check_job(prompt_ids, msg.params, self.info.max_seq_len, self.info.vocab_size,
                       self.supported, self.spec.engine)  # fmt: skip
-            if self.compiler.needed(msg.params):
+            if self.compiler is not None and self.compiler.needed(msg.params):
                 self._parked.append(_Parked(msg, prompt_ids, self.compiler.start(msg.params, self._prepare)))
                 return
         except RequestRejected as exc:
@@ -84,6 +91,7 @@ class JobDesk:
         """Start the parked jobs whose constraint is ready; refuse those that cannot have one."""
         for parked in list(self._parked):
             try:
+                assert self.compiler is not None  # jobs are parked only with a compiler
                 ready = self.compiler.result(parked.constraint)
             except RequestRejected as exc:
                 self._parked.remove(parked)
@@ -144,4 +152,5 @@ class JobDesk:
             self.send(wire.JobsAborted(rids, AbortReason.SHUTDOWN, reason))
 
     def close(self) -> None:
-        self.compiler.close()
+        if self.compiler is not None:
+            self.compiler.close()

@@ -152,7 +152,8 @@ class Worker:
         spec = self.spec
         entry = registry.lookup(spec.engine)
         try:
-            settings = entry.settings.model_validate(spec.engine_settings)
+            context = {"max_seq_len": spec.max_seq_len}  # the gateway checked with this context too
+            settings = entry.settings.model_validate(spec.engine_settings, context=context)
         except ValidationError as exc:
             raise RuntimeError(f"engine_settings of model {spec.name!r} are invalid: {exc}") from None
         self._move_to(WorkerState.LOADING, f"loading {spec.engine} model", 0.0)

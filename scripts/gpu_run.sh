@@ -1,108 +1,147 @@
 #!/usr/bin/env bash
-# One GPU run: set up the GPU machine, run the GPU tests and the exllamav2 benchmark, summarize.
+# One GPU run: set up the CUDA host, run the GPU tests and the engine benchmarks, print a table last.
 #
 # Runs on a CUDA host with Python 3.12 and torch, which may be air-gapped, from the repository root.
 # Needs the folders that scripts/wheelhouse.sh fills on a machine with PyPI access:
-#   .whl/                      cp312 wheels of what the host lacks (exllamav2, pyzmq, quart, ...)
-#   .gpu/exllamav2_ext.so.xz   exllamav2's extension prebuilt for the host's torch/CUDA (optional)
-# Steps: install the wheels into /tmp/site (no index, no deps), put the extension and the repo on
-# PYTHONPATH (JIT-building the extension if the prebuilt one does not import), write the demo
-# models (tiny-gpu x2 and a Llama-3-8B shape) under /tmp/models, run `pytest -m gpu tests/gpu`
-# and bench/bench_exllamav2.py, and print a short table last. Logs go to $OUT (default /tmp/gpu-out).
+#   .whl/                       cp312 wheels of what the host lacks (exllamav2, exllamav3, pyzmq, quart, ...)
+#   .gpu/exllamav2_ext.so.xz    exllamav2's extension prebuilt for the host's torch/CUDA (optional)
+#   .gpu/exllamav3_ext.so.xz    exllamav3's extension, likewise (optional)
+#   .gpu/flash_attn.tar.xz      a flash-attn build for the host (optional; without it exllamav2 runs unpaged)
+# Steps: install the wheels into /tmp/site (no index, no deps), put the extensions, flash-attn and
+# the repo on PYTHONPATH (an extension that does not import is JIT-built by its library instead),
+# write the demo models (tiny-gpu x2 and a Llama-3-8B shape) under /tmp/models, run the stages,
+# and print a short table last. Set-up and models are kept in /tmp between runs on the same host.
+# Logs go to $OUT (default /tmp/gpu-out).
 #
-#   GPU_RUN_STAGES   which stages, in order (default "engine gateway bench"; also "bench-raw", "spec")
-#   GPU_RUN_BUDGET_S wall-clock budget in seconds; stages are cut to fit (default 540)
+#   GPU_RUN_STAGES    stages, in order (default "tests bench-v2 bench-v3"); also "two-gpus" (tests
+#                     and benchmark that need two GPUs), "spec" (speculative decoding), or a pytest
+#                     path such as "tests/gpu/test_batching.py"
+#   GPU_RUN_BUDGET_S  wall-clock budget in seconds; stages are cut to fit (default 540)
+# A py-spy wheel in .tools/ (optional) makes the benchmarks profile one round of each path.
 set -uo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 repo=$PWD
 export OUT=${OUT:-/tmp/gpu-out}
 mkdir -p "$OUT"
-stages=${GPU_RUN_STAGES:-engine gateway bench}
+stages=${GPU_RUN_STAGES:-tests bench-v2 bench-v3}
 budget=${GPU_RUN_BUDGET_S:-540}
 t0=$(date +%s)
 exec > >(tee -a "$OUT/gpu_run.log") 2>&1
 
 elapsed() { echo $(($(date +%s) - t0)); }
 say() { echo "[gpu_run +$(elapsed)s] $*"; }
-# Seconds a stage may take: its own cap, but never past the run's budget (with 25 s for the summary).
-allow() { local left=$((budget - $(elapsed) - 25)); ((left < $1)) && echo "$left" || echo "$1"; }
+# Seconds a stage may take: its own cap, but never past the run's budget (with 20 s for the summary).
+allow() { local left=$((budget - $(elapsed) - 20)); ((left < $1)) && echo "$left" || echo "$1"; }
 
 declare -A status
 say "host: $(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | paste -sd';')"
 
-# ---- 1. wheels and extension ----------------------------------------------------------------------
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl || { say "wheel install failed"; exit 1; }
-mkdir -p /tmp/ext
-xz -dc .gpu/exllamav2_ext.so.xz >/tmp/ext/exllamav2_ext.so
+# ---- 1. wheels, extensions, flash-attn --------------------------------------------------------------
+stamp="$(ls .whl .gpu .tools 2>/dev/null | md5sum | cut -c1-12)"
+if [[ ! -f /tmp/site/.installed-$stamp ]]; then
+    rm -rf /tmp/site /tmp/ext && mkdir -p /tmp/ext
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl || { say "wheel install failed"; exit 1; }
+    for ext in exllamav2_ext exllamav3_ext; do
+        [[ -f .gpu/$ext.so.xz ]] && xz -dc ".gpu/$ext.so.xz" >"/tmp/ext/$ext.so"
+    done
+    [[ -f .gpu/flash_attn.tar.xz ]] && xz -dc .gpu/flash_attn.tar.xz | tar x -C /tmp/ext
+    if ls .tools/py_spy-*.whl >/dev/null 2>&1; then
+        python3 -m pip install -q --no-index --no-deps --target /tmp/tools .tools/py_spy-*.whl
+    fi
+    touch "/tmp/site/.installed-$stamp"
+    say "installed $(ls .whl | wc -l) wheels and $(ls /tmp/ext | paste -sd' ')"
+fi
 export PYTHONPATH=/tmp/ext:/tmp/site:$repo${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-if python3 -c "import torch, exllamav2_ext" 2>/tmp/ext_import.log; then
-    status[extension]=prebuilt
-else
-    # A different torch on the host: exllamav2 builds its extension itself (~130 s on 16 cores).
-    cat /tmp/ext_import.log
-    say "the prebuilt extension does not import; exllamav2 will JIT-build it"
-    rm -f /tmp/ext/exllamav2_ext.so
-    export MAX_JOBS=16 TORCH_CUDA_ARCH_LIST=9.0 TORCH_EXTENSIONS_DIR=/tmp/torch_extensions
-    status[extension]=jit
-fi
+# A prebuilt extension made for another torch fails with "undefined symbol": the library builds its own.
+export MAX_JOBS=16 TORCH_CUDA_ARCH_LIST=9.0 TORCH_EXTENSIONS_DIR=/tmp/torch_extensions
+for ext in exllamav2_ext exllamav3_ext; do
+    if [[ -f /tmp/ext/$ext.so ]] && ! python3 -c "import torch, $ext" 2>"/tmp/$ext.log"; then
+        cat "/tmp/$ext.log"
+        say "the prebuilt $ext does not import; it will be JIT-built"
+        rm -f "/tmp/ext/$ext.so"
+    fi
+    status[$ext]=$([[ -f /tmp/ext/$ext.so ]] && echo prebuilt || echo jit)
+done
 python3 -c "import exllamav2, exllamav2.ext, exllamav2.attn as a; print('exllamav2', exllamav2.__version__,
     'flash-attn paged:', a.has_flash_attn_with_paged)" || { say "exllamav2 does not import"; exit 1; }
+python3 -c "import exllamav3; from exllamav3.version import __version__ as v; print('exllamav3', v)" ||
+    { say "exllamav3 does not import"; exit 1; }
 say "setup done"
 
 # ---- 2. models --------------------------------------------------------------------------------------
 export GPU_TEST_TINY_MODEL=/tmp/models/tiny-gpu GPU_TEST_TINY_MODEL_B=/tmp/models/tiny-gpu-b
 export GPU_TEST_BIG_MODEL=/tmp/models/llama3-8b GPU_TEST_RESULTS=$OUT/results.jsonl
+export GPU_TEST_REQUIRE=exllamav2-paged,exllamav2-unpaged,exllamav3
 python3 - <<'EOF' || { say "model creation failed"; exit 1; }
 import os
+from pathlib import Path
 from gateway.demo.model import make_demo_model
 for env, preset, seed in (("GPU_TEST_TINY_MODEL", "tiny-gpu", 0), ("GPU_TEST_TINY_MODEL_B", "tiny-gpu", 1),
                           ("GPU_TEST_BIG_MODEL", "llama3-8b", 0)):
-    make_demo_model(os.environ[env], preset=preset, seed=seed, device="cuda")
+    if not (Path(os.environ[env]) / "config.json").exists():
+        make_demo_model(os.environ[env], preset=preset, seed=seed, device="cuda")
 EOF
-say "models written: $(du -sh /tmp/models | cut -f1)"
+say "models ready: $(du -sh /tmp/models | cut -f1)"
+gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
 
 # ---- 3. stages ----------------------------------------------------------------------------------------
-run_pytest() {  # name, test file, cap seconds
-    local limit; limit=$(allow "$3")
-    ((limit > 30)) || { status[$1]="skipped (out of time)"; return; }
-    say "stage $1 (limit ${limit}s)"
-    # -W default: exllamav2 and torch warnings are shown, not turned into errors (we cannot fix them).
-    timeout -k 10 "$limit" python3 -m pytest -m gpu "$2" -p no:cacheprovider -W default -rA -v \
-        --basetemp=/tmp/gpu-pytest-"$1" --junitxml="$OUT/junit-$1.xml" 2>&1 | tee "/tmp/pytest-$1.log"
+run_pytest() {  # name, cap seconds, pytest arguments...
+    local name=$1 limit; limit=$(allow "$2"); shift 2
+    ((limit > 30)) || { status[$name]="skipped (out of time)"; return; }
+    say "stage $name (limit ${limit}s)"
+    # -W default: library warnings are shown, not turned into errors (we cannot fix them).
+    timeout -k 10 "$limit" python3 -m pytest -m gpu "$@" -p no:cacheprovider -W default -rfEs -v \
+        --timeout 300 --basetemp="/tmp/gpu-pytest-$name" --junitxml="$OUT/junit-$name.xml" 2>&1 |
+        tee "/tmp/pytest-$name.log"
     local rc=${PIPESTATUS[0]}
-    status[$1]="rc=$rc $(grep -aEo '[0-9]+ (passed|failed|error|errors|skipped)' "/tmp/pytest-$1.log" | paste -sd' ')"
+    status[$name]="rc=$rc $(grep -aEo '[0-9]+ (passed|failed|error|errors|skipped)' "/tmp/pytest-$name.log" | tail -4 | paste -sd' ')"
 }
-run_bench() {  # name, modes, cap seconds
-    local limit; limit=$(allow "$3")
-    ((limit > 60)) || { status[$1]="skipped (out of time)"; return; }
-    say "stage $1 (limit ${limit}s)"
-    timeout -k 10 "$limit" python3 bench/bench_exllamav2.py --model "$GPU_TEST_BIG_MODEL" --modes "$2" \
-        --out-dir /tmp/bench
-    status[$1]="rc=$?"
-    cp /tmp/bench/bench_exllamav2.json /tmp/bench/bench_exllamav2.md "$OUT"/ 2>/dev/null
+run_bench() {  # name, cap seconds, bench_engines.py arguments...
+    local name=$1 limit; limit=$(allow "$2"); shift 2
+    ((limit > 60)) || { status[$name]="skipped (out of time)"; return; }
+    say "stage $name (limit ${limit}s)"
+    local profile=()
+    [[ -x /tmp/tools/bin/py-spy ]] && profile=(--py-spy /tmp/tools/bin/py-spy)
+    timeout -k 10 "$limit" python3 bench/bench_engines.py --model "$GPU_TEST_BIG_MODEL" --out-dir /tmp/bench \
+        "${profile[@]}" "$@"
+    status[$name]="rc=$?"
 }
+two_gpu_tests=(tests/gpu/test_mixed_registry.py tests/gpu/test_gateway_gpu.py::test_models_on_two_gpus_are_pinned
+               tests/gpu/test_gateway_gpu.py::test_one_model_autosplit_over_two_gpus)
 for stage in $stages; do
     case $stage in
-        engine) run_pytest engine tests/gpu/test_engine_exllamav2.py 240 ;;
-        gateway) run_pytest gateway tests/gpu/test_gateway_exllamav2.py 240 ;;
-        bench) run_bench bench raw,gateway,two-gpus 240 ;;
-        bench-raw) run_bench bench raw 150 ;;
+        tests) run_pytest tests 420 tests/gpu --ignore tests/gpu/test_mixed_registry.py ;;
+        bench-v2) run_bench bench-v2 270 --engine exllamav2 --paths raw,engine,gateway ;;
+        bench-v3) run_bench bench-v3 290 --engine exllamav3 ;;
+        two-gpus)
+            if ((gpus < 2)); then status[two-gpus]="skipped (one GPU)"; continue; fi
+            run_pytest two-gpus 240 "${two_gpu_tests[@]}"
+            run_bench bench-mixed 120 --skip-overhead --mixed-model "$GPU_TEST_BIG_MODEL" ;;
         spec)  # speculative decoding: plain vs n-gram vs a draft model sharing the 8B shape's vocabulary
             limit=$(allow 200)
             say "stage spec (limit ${limit}s)"
-            timeout -k 10 "$limit" python3 -c "from gateway.demo.model import make_demo_model as m; \
-m('/tmp/models/draft-8b-vocab', preset='tiny-gpu', seed=3, device='cuda', vocab_size=128256)" &&
-            timeout -k 10 "$limit" python3 bench/bench_speculative.py --model "$GPU_TEST_BIG_MODEL" \
-                --draft /tmp/models/draft-8b-vocab --out "$OUT/bench_speculative.json" | tee "$OUT/bench_speculative.md"
-            status[spec]="rc=${PIPESTATUS[0]}" ;;
+            [[ -f /tmp/models/draft-8b-vocab/config.json ]] || python3 -c "from gateway.demo.model import \
+make_demo_model as m; m('/tmp/models/draft-8b-vocab', preset='tiny-gpu', seed=3, device='cuda', vocab_size=128256)"
+            for engine in exllamav2 exllamav3; do
+                timeout -k 10 "$limit" python3 bench/bench_speculative.py --engine $engine --model "$GPU_TEST_BIG_MODEL" \
+                    --draft /tmp/models/draft-8b-vocab --out "/tmp/bench/bench_speculative_$engine.json" |
+                    tee -a /tmp/bench/bench_speculative.md
+            done
+            status[spec]="done" ;;
+        tests/*) run_pytest "$(basename "${stage%%::*}" .py)" 420 "$stage" ;;
         *) say "unknown stage $stage" ;;
     esac
 done
 
-# Gateway and worker logs of every test and benchmark, in one file (only 8 files come back).
+# Benchmark tables and JSON, and the gateway and worker logs in one file (only 8 files come back).
+mkdir -p /tmp/bench
+cat /tmp/bench/*.md >"$OUT/bench.md" 2>/dev/null
+[[ -d /tmp/bench/profiles ]] && tar czf "$OUT/profiles.tar.gz" -C /tmp/bench profiles
+python3 -c "import json, glob; print(json.dumps({f: json.load(open(f)) for f in sorted(glob.glob('/tmp/bench/*.json'))}))" \
+    >"$OUT/bench.json" 2>/dev/null
 for log in $(find /tmp/gpu-pytest-* /tmp/bench -name '*.log' 2>/dev/null | sort); do
     echo "===== $log"
     tail -c 20000 "$log"
@@ -120,7 +159,7 @@ if results.exists():
         row = json.loads(line)
         values = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items() if k != "test")
         print(f"| {row['test']} | {values} |")
-bench = out / "bench_exllamav2.md"
+bench = out / "bench.md"
 if bench.exists():
     print()
     print(bench.read_text())

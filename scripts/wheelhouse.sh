@@ -15,7 +15,8 @@
 # dependency closure is spelled out below; when a version changes, list its new Requires-Dist with
 # `unzip -p .whl/NAME-*.whl '*/METADATA' | grep ^Requires-Dist`. exllamav2's own extras
 # (fastparquet, websockets) are only used by its converter and its websocket demo server, which
-# this project never imports.
+# this project never imports. exllamav3 also needs rich, pillow and ninja, which CUDA images with
+# torch usually have; add them below if yours does not.
 #
 # Usage: scripts/wheelhouse.sh [DEST]      (DEST defaults to .whl in the repository root)
 # Environment:
@@ -32,8 +33,9 @@ python=${PYTHON:-python3}
 
 # One version of each: two versions of one name make the --no-deps install fail on the host.
 packages=(
-    # the GPU engine (pure Python; its CUDA extension is prebuilt or JIT-built on the host)
+    # the GPU engines (pure Python; their CUDA extensions are prebuilt or JIT-built on the host)
     exllamav2==0.3.2
+    exllamav3==1.6.5 marisa-trie==1.4.1 llguidance==1.9.1
     # worker <-> gateway link
     pyzmq==27.3.0
     # HTTP server: Quart on Hypercorn (request schemas and OpenAPI by quart-schema), and what they import
@@ -50,11 +52,12 @@ packages=(
 )
 
 mkdir -p "$dest"
-# pip matches each manylinux tag literally, so every tag a wheel may carry is named.
+# pip matches each manylinux tag literally, so every tag a wheel may carry is named (llguidance is
+# manylinux_2_31, marisa-trie manylinux_2_24).
 "$python" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-    --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
-    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64 \
-    -d "$dest" "${packages[@]}"
+    --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
+    --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+    --platform manylinux1_x86_64 -d "$dest" "${packages[@]}"
 
 # Drop wheels of other versions left from an older run: they would collide on install.
 wanted=$(printf '%s\n' "${packages[@]}" | sed -E 's/==/-/; s/[-_.]+/_/g' | tr '[:upper:]' '[:lower:]')

@@ -4,7 +4,9 @@ Runs in the gateway's CLI process (`gateway make-demo-model DIR`) and in test fi
 serving path. Owns the presets and the writing of a complete Hugging Face model folder (config,
 weights, generation config, tokenizer, chat template) without any network access, so CI, dev
 hosts and GPU benchmarks get a loadable model in seconds. The weights are random but scaled so that
-greedy output varies with context instead of repeating one token.
+greedy output varies with context instead of repeating one token. The tokenizer covers the model's
+whole vocabulary: ids past what the BPE learnt from the corpus decode to words such as " w5000", so
+every id a model samples is visible text (streams can then be timed by their text chunks too).
 """
 
 from __future__ import annotations
@@ -112,6 +114,8 @@ def make_demo_model(
         cfg["dtype"] = dtype
     _check_shape(cfg, token_count)
 
+    quiet_ids = _unreadable_ids(tokenizer)
+    tokenizer = _pad_vocabulary(tokenizer, cfg["vocab_size"])
     ids = {tok: tokenizer.token_to_id(tok) for tok in SPECIAL_TOKENS}
     tokenizer.save(str(out_dir / "tokenizer.json"))
     _write_json(out_dir / "tokenizer_config.json", _tokenizer_config(cfg))
@@ -120,7 +124,6 @@ def make_demo_model(
         out_dir / "generation_config.json",
         {"bos_token_id": ids[BOS_TOKEN], "eos_token_id": [ids[EOS_TOKEN], ids["</s>"]]},
     )
-    quiet_ids = _unreadable_ids(tokenizer) + list(range(token_count, cfg["vocab_size"]))
     _write_weights(out_dir, cfg, quiet_ids, seed, device)
     logger.info("wrote demo model %s (preset %s, seed %d) to %s", cfg["dtype"], preset, seed, out_dir)
     return out_dir
@@ -158,6 +161,24 @@ def _train_tokenizer() -> Any:
         single=f"{BOS_TOKEN} $A", pair=f"{BOS_TOKEN} $A {BOS_TOKEN} $B", special_tokens=[(BOS_TOKEN, bos_id)]
     )
     return tokenizer
+
+
+def _pad_vocabulary(tokenizer: Any, vocab_size: int) -> Any:
+    """The tokenizer with plain vocabulary entries (" w1000", " w1001", ...) up to vocab_size.
+
+    A BPE trained on a page of text stops far short of a 128k vocabulary; without these entries most
+    ids a random model samples would decode to nothing. They are vocabulary entries, not added
+    tokens: no merge produces them, so encoding is unchanged, and tokenizers that split on added
+    tokens (exllamav2's) are not slowed by a hundred thousand of them.
+    """
+    from tokenizers import Tokenizer
+
+    data = json.loads(tokenizer.to_str())
+    vocab = data["model"]["vocab"]
+    first = tokenizer.get_vocab_size()
+    for token_id in range(first, vocab_size):
+        vocab[f"\u0120w{token_id}"] = token_id  # \u0120 is the byte-level alphabet's space
+    return Tokenizer.from_str(json.dumps(data))
 
 
 def _tokenizer_config(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -260,8 +281,8 @@ def _write_weights(out_dir: Path, cfg: dict[str, Any], quiet_ids: list[int], see
                 elif name == "lm_head.weight":
                     # Logits of std ~4 at any width: peaked enough for varied greedy text, not one token.
                     tensor.mul_(4.0 / math.sqrt(hidden))
-                    # Ids beyond the tokenizer and byte fragments get logit 0, far below the best
-                    # token's, so the model speaks readable text even through a 128k-row head.
+                    # Byte fragments and control characters get logit 0, far below the best
+                    # token's, so greedy text is readable.
                     tensor[torch.tensor(quiet_ids, dtype=torch.long, device=device)] = 0.0
                 else:
                     # fan-in scaling keeps every layer's contribution O(1), so context changes the output.

@@ -140,17 +140,21 @@ async def _stream(
     try:
         for chunk in formatter.first_chunks([c.index for c in owner.choices], with_usage):
             yield chunk
-        async for event in owner.events():
-            if event is KEEPALIVE:
-                yield SSE_KEEPALIVE
-                continue
-            index, output = event  # type: ignore[misc]
-            chunk = formatter.delta_chunk(owner.choices[index], output, with_usage, owner.outputs)
-            if chunk:
-                yield chunk
-        if with_usage:
-            yield formatter.usage_chunk(owner.outputs)
-        yield SSE_DONE
+        # One write per batch: what is already queued for this stream goes out together, so a
+        # stream that fell behind (or an n > 1 request, whose choices share a step) costs one
+        # socket send instead of one per token.
+        async for batch in owner.event_batches():
+            chunks = []
+            for event in batch:
+                if event is KEEPALIVE:
+                    chunks.append(SSE_KEEPALIVE)
+                    continue
+                index, output = event  # type: ignore[misc]
+                chunks.append(formatter.delta_chunk(owner.choices[index], output, with_usage, owner.outputs))
+            body = b"".join(chunks)
+            if body:
+                yield body
+        yield (formatter.usage_chunk(owner.outputs) if with_usage else b"") + SSE_DONE
     except APIError as exc:
         yield sse_error(exc.body())
         yield SSE_DONE

@@ -59,6 +59,7 @@ logger = logging.getLogger(__name__)
 MAX_PENDING_OUTPUTS = 8192
 T = TypeVar("T")
 KEEPALIVE = object()  # queue item: nothing new, the stream should send an SSE comment
+_ENDED = object()  # what _consume returns for the end of a request that finished normally
 
 
 @dataclass(frozen=True, slots=True)
@@ -257,21 +258,50 @@ class RequestOwner:
         """(choice index, output) in arrival order, and KEEPALIVE on a quiet stream; ends when every
         choice finished, or raises the APIError the request was aborted with."""
         while True:
-            item = await self.queue.get()
-            self.last_consumed = time.monotonic()
-            if item is KEEPALIVE:
-                yield item
-                continue
-            if isinstance(item, _End):
-                if item.error is not None:
-                    raise item.error
-                if self.outcome is None:
-                    self.outcome = 200
+            event = self._consume(await self.queue.get())
+            if event is _ENDED:
                 return
-            index, output = item
-            self.choices[index].output.add(output)
-            self.recorder.output(output)
-            yield index, output
+            yield event
+
+    async def event_batches(self) -> AsyncIterator[list[tuple[int, JobOutput] | object]]:
+        """The same events, each batch being everything already queued when the consumer got to it
+        (at least one event): a streaming response writes a batch as one chunk, so a stream that
+        fell behind catches up in one socket write instead of one per token. Never waits for more."""
+        while True:
+            batch: list[tuple[int, JobOutput] | object] = []
+            item = await self.queue.get()
+            try:
+                while True:
+                    event = self._consume(item)
+                    if event is _ENDED:
+                        if batch:
+                            yield batch
+                        return
+                    batch.append(event)
+                    if self.queue.empty():
+                        break
+                    item = self.queue.get_nowait()
+            except APIError:
+                if batch:  # what arrived before the abort still goes out, then the error
+                    yield batch
+                raise
+            yield batch
+
+    def _consume(self, item: Any) -> tuple[int, JobOutput] | object:
+        """One queue item taken by the consumer: the event to hand out, or _ENDED; raises the abort."""
+        self.last_consumed = time.monotonic()
+        if item is KEEPALIVE:
+            return item
+        if isinstance(item, _End):
+            if item.error is not None:
+                raise item.error
+            if self.outcome is None:
+                self.outcome = 200
+            return _ENDED
+        index, output = item
+        self.choices[index].output.add(output)
+        self.recorder.output(output)
+        return index, output
 
     def keep_alive(self) -> None:
         if self.streaming and not self.ended:

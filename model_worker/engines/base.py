@@ -12,9 +12,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import ClassVar, Protocol
+from typing import Any, ClassVar, Protocol
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from wire.params import SamplingParams
 from wire.results import JobOutput, RejectCode, TokenLogprob
@@ -64,6 +65,21 @@ class EngineSettings(BaseModel):
     def reserved_vram_gb(self) -> float:
         """GB per GPU that placement must leave free beside the weights."""
         return 0.0
+
+
+def settings_error(model: type[BaseModel], field: str, message: str, value: Any) -> ValidationError:
+    """A validation error that names `field`, for checks a model validator makes across fields (a
+    plain ValueError there would name no field, and the registry error must say which one)."""
+    error = PydanticCustomError("value_error", "{message}", {"message": message})
+    return ValidationError.from_exception_data(
+        model.__name__, [InitErrorDetails(type=error, loc=(field,), input=value)]
+    )
+
+
+def context_max_seq_len(context: Any) -> int | None:
+    """The model's max_seq_len from the validation context (settings_check supplies it), if any."""
+    value = (context or {}).get("max_seq_len")
+    return int(value) if isinstance(value, int) and value > 0 else None
 
 
 class Engine(Protocol):

@@ -18,6 +18,7 @@ from model_worker.engines.base import EngineSettings
 ENGINES = {
     "transformers": "model_worker.engines.transformers",
     "exllamav2": "model_worker.engines.exllamav2",
+    "exllamav3": "model_worker.engines.exllamav3",
 }
 
 # Fault-injection engines (`test:module.Class`, a class with a `Settings` attribute) exist only in
@@ -57,4 +58,5 @@ def create_engine(name: str, path: str, max_seq_len: int, settings: dict[str, An
     """An engine, unloaded, with its settings validated by its own settings model (ValidationError
     if they are invalid). For the serve loop, benchmarks and tests alike."""
     entry = lookup(name)
-    return entry.engine_class()(path, max_seq_len, entry.settings.model_validate(settings or {}))
+    validated = entry.settings.model_validate(settings or {}, context={"max_seq_len": max_seq_len})
+    return entry.engine_class()(path, max_seq_len, validated)

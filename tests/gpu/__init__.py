@@ -1,1 +1,4 @@
-"""GPU tests (marked gpu): exllamav2 engine and gateway on real GPUs, run by scripts/gpu_run.sh."""
+"""GPU tests (marked gpu): the exllamav2 and exllamav3 engines and the gateway on real GPUs.
+
+Run by scripts/gpu_run.sh on a CUDA host; skipped elsewhere.
+"""

@@ -1,9 +1,9 @@
-"""Helpers for the GPU tests: availability check, engine drivers, SSE clients and a results log.
+"""Helpers for the GPU tests: availability checks, engine drivers, SSE clients and a results log.
 
 Runs in the pytest process on the GPU machine (and is imported, then skipped, everywhere else).
-Owns nothing stateful: functions that drive an `ExLlamaV2Engine` to completion, stream OpenAI
-responses over HTTP, write registry files, and append measurements to the JSON-lines file that
-`scripts/gpu_run.sh` turns into its closing table.
+Owns nothing stateful: functions that drive an engine (exllamav2 or exllamav3) to completion,
+compare batched runs with solo runs, stream OpenAI responses over HTTP, write registry files, and
+append measurements to the JSON-lines file that `scripts/gpu_run.sh` turns into its closing table.
 """
 
 from __future__ import annotations
@@ -19,23 +19,48 @@ from typing import Any
 import httpx
 
 from wire.params import SamplingParams
-from wire.results import JobOutput
+from wire.results import JobOutput, TokenLogprob
+
+TINY_SETTINGS: dict[str, Any] = dict(max_seq_len=2048, max_batch_size=8, max_chunk_size=512)
+BIG_SETTINGS: dict[str, Any] = dict(max_seq_len=4096, max_batch_size=8, max_chunk_size=2048)
+# mode -> (engine, engine_settings that select the mode)
+ENGINE_MODES: dict[str, tuple[str, dict[str, Any]]] = {
+    "exllamav2-paged": ("exllamav2", {"paged": True}),
+    "exllamav2-unpaged": ("exllamav2", {"paged": False}),
+    "exllamav3": ("exllamav3", {}),
+}
+PAGED_MODES = ["exllamav2-paged", "exllamav3"]
+
+# Batched and solo runs multiply matrices of different shapes, so fp16 rounding differs a little:
+# greedy decoding may then pick the other of two tokens whose logprobs are this close.
+NEAR_TIE = 0.05
 
 
 def gpu_skip_reason() -> str | None:
-    """Why GPU tests cannot run here, or None. Checks CUDA before exllamav2, whose import may build."""
+    """Why GPU tests cannot run here, or None. Checks CUDA before any engine, whose import may build."""
     try:
         import torch
     except ImportError:
         return "torch is not installed"
     if not torch.cuda.is_available():
         return "no CUDA device visible"
-    if importlib.util.find_spec("exllamav2") is None:
-        return "exllamav2 is not installed"
     return None
 
 
 SKIP_REASON = gpu_skip_reason()
+
+
+def mode_unavailable(mode: str) -> str | None:
+    """Why an engine mode (see conftest.ENGINE_MODES) cannot run here, or None."""
+    engine = mode.split("-")[0]
+    if importlib.util.find_spec(engine) is None:
+        return f"{engine} is not installed"
+    if mode == "exllamav2-paged":
+        import exllamav2.attn
+
+        if not exllamav2.attn.has_flash_attn_with_paged:
+            return "flash-attn >= 2.5.7 is not installed, so exllamav2 cannot page"
+    return None
 
 
 def record(test: str, **values: Any) -> None:
@@ -47,6 +72,7 @@ def record(test: str, **values: Any) -> None:
 
 
 def greedy(max_tokens: int, **kw: Any) -> SamplingParams:
+    """Greedy, ignoring EOS unless told otherwise."""
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=kw.pop("ignore_eos", True), **kw)
 
 
@@ -65,6 +91,10 @@ class JobRun:
     @property
     def token_ids(self) -> list[int]:
         return [t for o in self.outputs for t in o.token_ids]
+
+    @property
+    def logprobs(self) -> list[TokenLogprob]:
+        return [entry for o in self.outputs for entry in o.logprobs or []]
 
     @property
     def final(self) -> JobOutput:
@@ -98,11 +128,59 @@ def run_job(engine: Any, prompt_ids: list[int], params: SamplingParams, rid: str
     return run_jobs(engine, {rid: (prompt_ids, params)})[rid]
 
 
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """The first index where two token lists differ (a length difference counts), or None."""
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def assert_same_tokens(
+    solo: list[int], solo_logprobs: list[TokenLogprob], other: list[int], what: str
+) -> int:
+    """`other` (a batched or drafting run) must give `solo`'s tokens; where it first differs, the
+    solo run's top two tokens must have been a near-tie (fp16 rounding of another batch shape may
+    then pick either; anything else, such as another job's tokens, fails). Returns how many tokens
+    matched before any such tie."""
+    at = first_difference(solo, other)
+    if at is None:
+        return len(solo)
+    assert at < len(solo) and at < len(other), f"{what}: lengths differ ({len(other)} vs {len(solo)} solo)"
+    top = solo_logprobs[at].top
+    assert len(top) >= 2, "solo runs need logprobs >= 2 to judge ties"
+    gap = top[0].logprob - top[1].logprob
+    assert other[at] in (top[0].token_id, top[1].token_id) and gap < NEAR_TIE, (
+        f"{what}: token {at} is {other[at]}, solo gave {solo[at]} with a top-2 gap of {gap:.3f} "
+        f"(not a near-tie): {other[: at + 1]} vs {solo[: at + 1]}"
+    )
+    return at
+
+
 def write_registry(path: Path, models: list[dict[str, Any]], **server: Any) -> Path:
     """A registry YAML (JSON is valid YAML) for GatewayProcess."""
     body = {"server": {"worker_start_timeout_s": 300, "shutdown_grace_s": 2, **server}, "models": models}
     path.write_text(json.dumps(body, indent=2))
     return path
+
+
+def registry_entry(
+    name: str, path: Path, gpus: list[int], mode: str = "exllamav2-paged", **settings: Any
+) -> dict[str, Any]:
+    """A models.yaml entry serving `path` in an engine mode (settings: max_seq_len, engine_settings)."""
+    engine, mode_settings = ENGINE_MODES[mode]
+    max_seq_len = settings.pop("max_seq_len", TINY_SETTINGS["max_seq_len"])
+    engine_settings = {"max_batch_size": 8, "max_chunk_size": 512, **mode_settings, **settings}
+    return {"name": name, "engine": engine, "path": str(path), "gpus": gpus, "max_seq_len": max_seq_len,
+            "engine_settings": engine_settings, "limits": {"max_concurrent_jobs": 32}}  # fmt: skip
+
+
+def start_gateway(tmp_path: Path, models: list[dict[str, Any]]) -> Any:
+    """A GatewayProcess (not yet entered) over a registry of `models` written to tmp_path."""
+    from tests.harness import GatewayProcess
+
+    config = write_registry(tmp_path / "models.yaml", models)
+    return GatewayProcess(config, env=gateway_env(), ready_timeout=600, log_path=tmp_path / "gateway.log")
 
 
 def gateway_env() -> dict[str, str]:

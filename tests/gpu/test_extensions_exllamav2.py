@@ -8,12 +8,13 @@ pass of the same exllamav2 model over the whole prompt, and transformers on the 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.gpu.support import SKIP_REASON, greedy, run_job
+from tests.gpu.support import SKIP_REASON, TINY_SETTINGS, greedy, run_job
 
 if SKIP_REASON:
     pytest.skip(SKIP_REASON, allow_module_level=True)
@@ -23,6 +24,15 @@ import torch  # noqa: E402
 pytestmark = pytest.mark.gpu
 
 TEXT = "The quick brown fox jumps over the lazy dog. Once upon a time, in a small village, "
+
+
+@pytest.fixture(params=["exllamav2-paged", "exllamav2-unpaged"])
+def engine(request: pytest.FixtureRequest, engine_pool: Any, tiny_model: Path) -> Iterator[Any]:
+    """The session's tiny exllamav2 engine in both modes (exllamav3 refuses these parameters)."""
+    engine = engine_pool.get(request.param, tiny_model, TINY_SETTINGS)
+    assert not engine.has_work()
+    yield engine
+    assert not engine.has_work()
 
 
 def test_prompt_logprobs_match_one_forward_pass(engine: Any) -> None:

@@ -1,9 +1,10 @@
-"""Structured output on ExLlamaV2Engine: lm-format-enforcer's filter inside exllamav2's dynamic generator.
+"""Structured output on the GPU engines, inside a batch: lm-format-enforcer's filter in exllamav2's
+generator (both modes), llguidance's in exllamav3's.
 
-Runs in the pytest process on the GPU machine, on the session's tiny random-weight model. That
-model knows nothing about JSON, so every bit of structure comes from the filter; it never closes
-a free-form string by itself, so the schema bounds every string (maxLength, enum) and array
-(maxItems). The check is by hand: jsonschema is not in the GPU image.
+Runs in the pytest process on the GPU machine, on the session's tiny random-weight model, once per
+engine mode. That model knows nothing about JSON, so every bit of structure comes from the filter;
+it never closes a free-form string by itself, so the schema bounds every string (maxLength, enum)
+and array (maxItems). The check is by hand: jsonschema is not in the GPU image.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ def _check(value: Any) -> None:
     assert all(isinstance(t, str) and len(t) <= 5 for t in value["tags"])
 
 
-def test_json_schema_greedy_and_sampled(engine: Any) -> None:
+def test_json_schema_greedy_and_sampled(engine: Any, mode: str) -> None:
     ids = engine.encode(PROMPT, True)
     schema = json.dumps(SCHEMA)
     jobs = {"greedy": (ids, SamplingParams(max_tokens=1024, temperature=0.0, json_schema=schema))}
@@ -58,11 +59,15 @@ def test_json_schema_greedy_and_sampled(engine: Any) -> None:
             ids,
             SamplingParams(max_tokens=1024, temperature=1.0, seed=seed, json_schema=schema),
         )
+    jobs["free"] = (ids, SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True))
     runs = run_jobs(engine, jobs)  # concurrently: each job's filter keeps its own state
     for rid, run in runs.items():
+        if rid == "free":  # a job without a filter in the same batch is not constrained by theirs
+            assert len(run.token_ids) == 64 and run.final.finish_reason == "length"
+            continue
         assert run.final.finish_reason == "stop", (rid, run.text)
         _check(json.loads(run.text))
-    record("structured output tiny", tokens=[len(r.token_ids) for r in runs.values()])
+    record(f"structured output tiny {mode}", tokens=[len(r.token_ids) for r in runs.values()])
 
 
 def test_json_object_with_ignore_eos_still_stops(engine: Any) -> None:

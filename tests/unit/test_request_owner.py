@@ -403,3 +403,33 @@ def test_an_abort_ends_an_admission_waiting_for_a_slot(tmp_path: Path) -> None:
             r.assert_all_released()
 
     asyncio.run(scenario())
+
+
+def test_queued_outputs_come_out_as_one_batch_and_an_abort_still_delivers_them(tmp_path: Path) -> None:
+    """A streaming response writes each batch as one chunk: everything queued when the consumer
+    gets to it, in order; what arrived before an abort goes out before the error."""
+
+    async def scenario() -> None:
+        async with rig(tmp_path) as r:
+            owner = r.open(n=2)
+            await asyncio.wait_for(asyncio.gather(owner.admit(), r.peers["w0"].generates(2, accept=True)), 2)
+            first, second = (choice.rid for choice in owner.choices)
+            batches = owner.event_batches()
+            # Both choices' outputs of one step, then a second step, all queued before reading.
+            await r.peers["w0"].send(wire.Step([output(first, "a"), output(second, "b")]))
+            await r.peers["w0"].send(wire.Step([output(first, "c")]))
+            await asyncio.sleep(0.1)
+            batch = await asyncio.wait_for(batches.__anext__(), 1)
+            assert [(i, o.text) for i, o in batch] == [(0, "a"), (1, "b"), (0, "c")]
+            await r.peers["w0"].send(wire.Step([output(second, "d")]))
+            await asyncio.sleep(0.1)
+            owner.abort(ServiceUnavailable("stop", code="shutting_down"))
+            batch = await asyncio.wait_for(batches.__anext__(), 1)
+            assert [(i, o.text) for i, o in batch] == [(1, "d")]
+            with pytest.raises(ServiceUnavailable):
+                await batches.__anext__()
+            owner.close()
+            assert await r.peers["w0"].cancels() == {first, second}
+            r.assert_all_released()
+
+    asyncio.run(scenario())

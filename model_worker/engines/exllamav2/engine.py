@@ -5,12 +5,15 @@ loop's single thread (the dynamic generator is not thread-safe). Owns the exllam
 (config, model, cache, tokenizer, generator, optional draft model and draft cache) and the map
 from request id to generator job. torch and exllamav2 are imported in `load()`, so this module
 imports on machines without CUDA or exllamav2.
+
+Paged (flash-attn installed, `paged: true`): jobs share a cache of 256-token pages and are batched
+in every step (continuous batching); a job that does not fit the free pages waits in the
+generator's queue. Unpaged: one job at a time, the cache sized for exactly one.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,15 +21,10 @@ from typing import Any
 
 from model_worker.devices import cuda_devices, gpu_memory_used_bytes
 from model_worker.engines.base import GREEDY_BELOW_TEMPERATURE, ProgressCallback, RequestRejected
-from model_worker.engines.exllamav2 import extensions, scoring
-from model_worker.engines.exllamav2.results import (
-    PartialOutput,
-    add_tokens,
-    attention_kind,
-    eos_token_ids,
-    make_config,
-)
-from model_worker.engines.exllamav2.settings import ExLlamaV2Settings
+from model_worker.engines.exllamav2 import extensions, loading, scoring
+from model_worker.engines.exllamav2.settings import NUM_DRAFT_TOKENS, ExLlamaV2Settings, round_up
+from model_worker.engines.generator_results import PartialOutput, TakeEntries, add_tokens, finish
+from model_worker.engines.gpu_logprobs import StepLogprobs
 from model_worker.engines.structured_output import (
     build_parser,
     exllamav2_filter,
@@ -36,26 +34,17 @@ from model_worker.engines.structured_output import (
 from model_worker.engines.token_texts import TokenTexts
 from model_worker.engines.validation import completion_budget
 from wire.params import SamplingParams
-from wire.results import FinishReason, JobOutput, RejectCode, TokenLogprob, Usage
+from wire.results import JobOutput, RejectCode, TokenLogprob
 from wire.stats import EngineInfo, EngineStats
 
 logger = logging.getLogger(__name__)
-
-PAGE_SIZE = 256  # exllamav2's PAGED_PAGE_SIZE: cache sizes (and paged chunk sizes) are multiples of it
-NUM_DRAFT_TOKENS = 4
-_CACHE_CLASSES = {"FP16": "ExLlamaV2Cache", "Q4": "ExLlamaV2Cache_Q4", "Q6": "ExLlamaV2Cache_Q6",
-                  "Q8": "ExLlamaV2Cache_Q8"}  # fmt: skip
-
-
-def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
 
 
 @dataclass
 class _Job:
     job: Any  # ExLlamaV2DynamicJob
     prompt_tokens: int
-    logprobs: int | None
+    take: TakeEntries | None  # its logprob entries, when it asked for logprobs
     include_stop_str: bool = False
 
 
@@ -83,6 +72,7 @@ class ExLlamaV2Engine:
         self._pieces: list[str] = []
         self._supports_logit_bias = False
         self._json_data: Any = None  # lm-format-enforcer's tokenizer data, built for the first JSON job
+        self._logprobs: StepLogprobs | None = None
         self._counters = {"steps": 0, "tokens": 0, "finished": 0, "cancelled": 0}
         self._texts = TokenTexts(self.decode)
 
@@ -90,7 +80,6 @@ class ExLlamaV2Engine:
 
     def load(self, progress: ProgressCallback) -> None:
         import exllamav2
-        import exllamav2.attn
         import exllamav2.generator
         import torch
 
@@ -98,39 +87,29 @@ class ExLlamaV2Engine:
         if not torch.cuda.is_available():
             raise RuntimeError("the exllamav2 engine needs a CUDA GPU, and none is visible to this worker")
         s = self.settings
-        num_draft = NUM_DRAFT_TOKENS if s.draft_path else 0
-        config = make_config(self.path)
-        self.attention = attention_kind(config)
-        # Paged attention (continuous batching) needs flash-attn >= 2.5.7; without it exllamav2's
-        # unpaged fallback holds one sequence at a time.
-        self.paged = bool(exllamav2.attn.has_flash_attn_with_paged) and not config.no_flash_attn
-        self.paged = self.paged and s.paged
-        # A job holds up to max_seq_len tokens plus the draft tokens speculated past its end.
-        per_job = _round_up(self.max_seq_len + num_draft, PAGE_SIZE)
+        num_draft = NUM_DRAFT_TOKENS if s.drafts else 0
+        config = loading.make_config(self.path)
+        self.attention = loading.attention_kind(config)
+        self.paged = loading.can_page(config) and s.paged
         if self.paged:
-            wanted = s.cache_size or self.max_seq_len * s.max_batch_size
-            self.cache_size = max(_round_up(wanted, PAGE_SIZE), per_job)
-            self.max_chunk_size = max(PAGE_SIZE, s.max_chunk_size // PAGE_SIZE * PAGE_SIZE)  # whole pages
+            self.cache_size = s.paged_cache_size(self.max_seq_len)
+            self.max_chunk_size = s.max_chunk_size  # whole pages: the settings check made sure
         else:
             # Unpaged, the whole cache is one page that serves one job: anything beyond it is waste.
-            self.cache_size = per_job
+            self.cache_size = s.tokens_per_job(self.max_seq_len)
             self.max_chunk_size = min(s.max_chunk_size, self.max_seq_len)
-            logger.info(
-                "flash-attn >= 2.5.7 is not available: exllamav2 runs unpaged, so jobs on %s run one at a "
-                "time (max_batch_size %d is not used); install flash-attn to batch them",
-                Path(self.path).name, s.max_batch_size,
-            )  # fmt: skip
-        if s.cache_size and s.cache_size != self.cache_size:
-            logger.info("cache_size %d adjusted to %d tokens", s.cache_size, self.cache_size)
         batch = s.max_batch_size if self.paged else 1
+        sizes = loading.Sizes(self.max_seq_len + num_draft, self.cache_size, self.max_chunk_size, batch)
         if s.draft_path:
-            draft = self._load_model(make_config(str(s.draft_path)), batch, num_draft, progress, (0.0, 0.2))
-            self.draft_model, self.draft_cache = draft
+            draft_config = loading.make_config(str(s.draft_path))
+            self.draft_model, self.draft_cache = loading.load_model(
+                draft_config, s, sizes, progress, (0.0, 0.2)
+            )
         span = (0.2 if s.draft_path else 0.0, 1.0)
-        self.model, self.cache = self._load_model(config, batch, num_draft, progress, span)
+        self.model, self.cache = loading.load_model(config, s, sizes, progress, span)
         self.tokenizer = exllamav2.ExLlamaV2Tokenizer(config)
         self.vocab_size = int(config.vocab_size)
-        self._eos_ids = eos_token_ids(config, self.tokenizer)
+        self._eos_ids = loading.eos_token_ids(config, self.tokenizer)
         self._pieces = self.tokenizer.get_id_to_piece_list(False)
         sampler = exllamav2.generator.ExLlamaV2Sampler
         self._supports_logit_bias = hasattr(sampler.Settings(), "token_bias")
@@ -148,44 +127,27 @@ class ExLlamaV2Engine:
             # n-gram drafting proposes tokens seen earlier in the context; no second model needed.
             use_ngram_draft=s.ngram_draft and self.draft_model is None,
         )
+        self._logprobs = StepLogprobs(min(self.vocab_size, self.tokenizer.get_vocab_size()))
+        self._logprobs.attach(self.generator, self.model, "forward_chunk")
+        self._log_mode()
         progress("model loaded", 1.0)
 
-    def _load_model(
-        self, config: Any, batch: int, num_draft: int, progress: ProgressCallback, span: tuple[float, float]
-    ) -> tuple[Any, Any]:
-        """One model and its cache: one GPU, an explicit gpu_split, or autosplit over every visible GPU."""
-        s, torch = self.settings, self._torch
-        config.max_seq_len = self.max_seq_len + num_draft
-        config.max_input_len = self.max_chunk_size
-        config.max_attention_size = self.max_chunk_size**2
-        # The generator checks max_batch_size * max_q_size (8) against these scratch dimensions.
-        config.max_batch_size = max(1, math.ceil(batch * 8 / config.max_input_len))
-        model = self._exl.ExLlamaV2(config)
-        cache_cls = getattr(self._exl, _CACHE_CLASSES[s.cache_mode])
-        name, (p0, p1) = Path(config.model_dir).name, span
-
-        def on_module(done: int, total: int) -> None:
-            progress(f"loading {name}: module {done}/{total}", p0 + (p1 - p0) * done / max(total, 1))
-
-        devices = torch.cuda.device_count()
-        if s.gpu_split and devices > 1:
-            for index, gb in enumerate(s.gpu_split[:devices]):
-                total_gb = torch.cuda.get_device_properties(index).total_memory / 1024**3
-                if gb + s.reserve_vram_gb > total_gb:
-                    raise RuntimeError(
-                        f"gpu_split[{index}] = {gb} GB plus reserve_vram_gb {s.reserve_vram_gb} exceeds "
-                        f"the {total_gb:.1f} GB of GPU {index}"
-                    )
-            model.load(gpu_split=list(s.gpu_split), callback=on_module)
-            return model, cache_cls(model, max_seq_len=self.cache_size)
-        if devices > 1:
-            # Lazy cache: autosplit places cache layers beside their attention layers as it fills GPUs.
-            cache = cache_cls(model, max_seq_len=self.cache_size, lazy=True)
-            reserve = int(s.reserve_vram_gb * 1024**3) if s.reserve_vram_gb else None
-            model.load_autosplit(cache, reserve_vram=reserve, callback=on_module)
-            return model, cache
-        model.load(callback=on_module)
-        return model, cache_cls(model, max_seq_len=self.cache_size)
+    def _log_mode(self) -> None:
+        s, name = self.settings, Path(self.path).name
+        if self.paged:
+            logger.info(
+                "exllamav2 paged on %s: attention %s, cache %d tokens (%d pages of 256, %s), up to %d jobs "
+                "per step, prefill chunks of %d tokens", name, self.attention, self.cache_size,
+                self.cache_size // 256, s.cache_mode, s.max_batch_size, self.max_chunk_size,
+            )  # fmt: skip
+        elif s.paged:
+            logger.info(
+                "exllamav2 unpaged on %s (attention %s): flash-attn >= 2.5.7 is not installed, so jobs run "
+                "one at a time (max_batch_size %d is not used); install flash-attn to batch them",
+                name, self.attention, s.max_batch_size,
+            )  # fmt: skip
+        else:
+            logger.info("exllamav2 unpaged on %s (paged: false): jobs run one at a time", name)
 
     # ---- tokens ----------------------------------------------------------------------------------
 
@@ -218,8 +180,6 @@ class ExLlamaV2Engine:
             seed=params.seed,
             stop_conditions=list(dict.fromkeys(stop)),
             identifier=rid,
-            return_probs=params.logprobs is not None,
-            return_top_tokens=params.logprobs or 0,
             filters=filters,
             # Ends the job as soon as the JSON is complete, instead of letting whitespace run on.
             filter_prefer_eos=bool(filters),
@@ -230,7 +190,13 @@ class ExLlamaV2Engine:
         except AssertionError as exc:  # exllamav2 checks the fit with asserts, before changing state
             message = f"the job does not fit the cache: {exc}"
             raise RequestRejected(RejectCode.CONTEXT_LENGTH_EXCEEDED, message) from None
-        self._jobs[rid] = _Job(job, n, params.logprobs, params.include_stop_str_in_output)
+        take = None
+        if params.logprobs is not None:
+            assert self._logprobs is not None
+            self._logprobs.add_job(rid, params.logprobs, n)
+            logprobs = self._logprobs
+            take = lambda count: logprobs.take(rid, count)  # noqa: E731
+        self._jobs[rid] = _Job(job, n, take, params.include_stop_str_in_output)
 
     def _json_filters(self, params: SamplingParams) -> list[Any]:
         """The job's lm-format-enforcer filter when it asks for JSON; RequestRejected for a bad schema."""
@@ -268,7 +234,7 @@ class ExLlamaV2Engine:
                     RejectCode.UNSUPPORTED_PARAMETER, "logit_bias is not supported", "logit_bias"
                 )
             # Sized like the model's logits, which exllamav2 pads to a multiple of 32.
-            bias = self._torch.zeros((_round_up(self.vocab_size, 32),), dtype=self._torch.float)
+            bias = self._torch.zeros((round_up(self.vocab_size, 32),), dtype=self._torch.float)
             for token_id, value in params.logit_bias.items():
                 bias[token_id] = float(value)
             settings.token_bias = bias
@@ -276,7 +242,7 @@ class ExLlamaV2Engine:
             if not self._supports_logit_bias:
                 message = "allowed_token_ids is not supported"
                 raise RequestRejected(RejectCode.UNSUPPORTED_PARAMETER, message, "allowed_token_ids")
-            extensions.restrict_tokens(settings, params, _round_up(self.vocab_size, 32), self._torch)
+            extensions.restrict_tokens(settings, params, round_up(self.vocab_size, 32), self._torch)
         return settings
 
     def prompt_logprobs(self, prompt_ids: list[int], top: int) -> list[TokenLogprob]:
@@ -288,6 +254,8 @@ class ExLlamaV2Engine:
         state = self._jobs.pop(rid, None)
         if state is None:
             return False
+        if self._logprobs is not None:
+            self._logprobs.drop_job(rid)
         # A job that finished inside the last iterate() is no longer the generator's to cancel.
         if state.job in self.generator.pending_jobs or state.job in self.generator.active_jobs:
             self.generator.cancel(state.job)
@@ -301,17 +269,23 @@ class ExLlamaV2Engine:
         self._counters["steps"] += 1
         # How well batching is used: a moving average over the last ~20 steps.
         self._jobs_per_step += (active - self._jobs_per_step) * 0.05
+        if self._logprobs is not None and self._logprobs.active:
+            self._logprobs.after_step({rid: state.job for rid, state in self._jobs.items()})
         merged: dict[str, PartialOutput] = {}
         for result in results:
             state = self._jobs.get(str(result.get("identifier")))
             if result["stage"] != "streaming" or state is None:
                 continue
             rid = result["identifier"]
-            part = merged.setdefault(rid, PartialOutput(logprobs=None if state.logprobs is None else []))
-            add_tokens(part, result, self._texts)
+            part = merged.setdefault(rid, PartialOutput(logprobs=None if state.take is None else []))
+            add_tokens(part, result, self._texts, state.take)
             if result["eos"]:
-                self._finish(part, result, state)
+                finish(part, result, state.prompt_tokens, self._pieces, self._texts, state.take)
+                part.text += extensions.stop_string_text(result, state.include_stop_str)
+                self._counters["finished"] += 1
                 del self._jobs[rid]
+                if self._logprobs is not None:
+                    self._logprobs.drop_job(rid)
         outputs = []
         for rid, part in merged.items():
             if part.token_ids or part.text or part.finish_reason:
@@ -319,31 +293,6 @@ class ExLlamaV2Engine:
                 outputs.append(JobOutput(rid, part.text, part.token_ids, part.finish_reason, part.usage,
                                          part.logprobs))  # fmt: skip
         return outputs
-
-    def _finish(self, part: PartialOutput, result: dict[str, Any], state: _Job) -> None:
-        reason = result.get("eos_reason")
-        held = result.get("held", {})
-        if reason == "stop_token" and held:
-            # Text held back (a possible stop-string prefix) ends with the stop token: keep the
-            # text, drop the token, as OpenAI does with eos.
-            stop_id = int(result["eos_triggering_token_id"])
-            piece = self._pieces[stop_id] if 0 <= stop_id < len(self._pieces) else ""
-            if piece and held.get("text", "").endswith(piece):
-                held = {**held, "text": held["text"][: -len(piece)]}
-            add_tokens(part, held, self._texts, drop_last=True)
-        part.text += extensions.stop_string_text(result, state.include_stop_str)
-        part.finish_reason = FinishReason.LENGTH if reason == "max_new_tokens" else FinishReason.STOP
-        part.usage = Usage(
-            prompt_tokens=state.prompt_tokens,
-            completion_tokens=int(result.get("new_tokens", len(part.token_ids))),
-            cached_tokens=int(result.get("cached_tokens", 0)),
-            queue_s=round(float(result.get("time_enqueued", 0.0)), 6),
-            prefill_s=round(float(result.get("time_prefill", 0.0)), 6),
-            decode_s=round(float(result.get("time_generate", 0.0)), 6),
-            accepted_draft_tokens=int(result.get("accepted_draft_tokens", 0)),
-            rejected_draft_tokens=int(result.get("rejected_draft_tokens", 0)),
-        )
-        self._counters["finished"] += 1
 
     def has_work(self) -> bool:
         return self.generator is not None and self.generator.num_remaining_jobs() > 0
@@ -354,9 +303,7 @@ class ExLlamaV2Engine:
         generator = self.generator
         if generator is None:
             return EngineStats()
-        total_pages = len(getattr(generator, "all_pages", None) or []) or int(
-            getattr(generator, "max_pages", 0) or 0
-        )
+        total_pages = int(generator.max_pages)
         free_pages = min(len(generator.unreferenced_pages), total_pages)
         return EngineStats(
             active_jobs=len(generator.active_jobs),

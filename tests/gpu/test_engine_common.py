@@ -1,11 +1,13 @@
-"""ExLlamaV2Engine on a real GPU, driven directly the way the serve loop drives it.
+"""Every GPU engine mode on a real GPU, driven directly the way the serve loop drives it.
 
-Runs in the pytest process on the GPU machine. The warm-up test comes first on purpose: it must
-see a process in which no model has generated yet.
+Runs in the pytest process on the GPU machine, once per engine mode (exllamav2 paged, exllamav2
+unpaged, exllamav3; see conftest). The warm-up test comes first on purpose: it should see a
+process in which the model has not generated yet.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 from pathlib import Path
 from typing import Any
@@ -13,7 +15,7 @@ from typing import Any
 import pytest
 
 from model_worker.warmup import warm_up
-from tests.gpu.support import SKIP_REASON, greedy, record, run_job, run_jobs
+from tests.gpu.support import SKIP_REASON, assert_same_tokens, greedy, record, run_job
 
 if SKIP_REASON:
     pytest.skip(SKIP_REASON, allow_module_level=True)
@@ -22,19 +24,25 @@ import torch  # noqa: E402
 
 from model_worker.engines.base import RequestRejected  # noqa: E402
 from model_worker.engines.validation import check_job  # noqa: E402
-from tests.gpu.conftest import BIG_SETTINGS, TINY_SETTINGS, load_engine  # noqa: E402
+from tests.gpu.conftest import load_engine  # noqa: E402
+from tests.gpu.support import BIG_SETTINGS, ENGINE_MODES, PAGED_MODES, TINY_SETTINGS  # noqa: E402
+from wire.params import SamplingParams  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
 PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time, in a small village,"
 WARMUP_PROMPT = "Warm-up: kernels, allocators and caches are initialised before the first request. " * 3
+ATTENTION = {"exllamav2-paged": "flash-attn", "exllamav3": "triton-paged"}
 
 
 @pytest.mark.parametrize("which", ["tiny", "big"])
-def test_warm_up_effect(which: str, request: pytest.FixtureRequest) -> None:
+@pytest.mark.parametrize("mode", list(ENGINE_MODES))
+def test_warm_up_effect(mode: str, which: str, request: pytest.FixtureRequest) -> None:
     """The first generation after loading is slow; after the serve loop's warm-up it is not."""
+    if which == "big" and mode not in PAGED_MODES:
+        pytest.skip("the 8B shape runs in the batching modes")
     path: Path = request.getfixturevalue("tiny_model" if which == "tiny" else "big_model")
-    engine = load_engine(path, **(TINY_SETTINGS if which == "tiny" else BIG_SETTINGS))
+    engine = load_engine(mode, path, **(TINY_SETTINGS if which == "tiny" else BIG_SETTINGS))
     try:
         # The first short job shows the cold cost; then exactly the serve loop's own warm-up runs.
         warm_ids = engine.encode(WARMUP_PROMPT, True)
@@ -45,14 +53,9 @@ def test_warm_up_effect(which: str, request: pytest.FixtureRequest) -> None:
     finally:
         engine.close()
     steady = statistics.median(seconds[2:])
-    record(
-        f"warm-up {which}",
-        cold_tok_s=32 / warm[0],
-        serve_loop_warmup_s=warm[1],
-        first_after_warmup_s=seconds[0],
-        steady_s=steady,
-        first_over_steady=seconds[0] / steady,
-    )
+    record(f"warm-up {which} {mode}", cold_tok_s=32 / warm[0], serve_loop_warmup_s=warm[1],
+           first_after_warmup_s=seconds[0], steady_s=steady,
+           first_over_steady=seconds[0] / steady)  # fmt: skip
     # New prompt lengths still cost a little once (attention shapes); 0.1 s covers that on the tiny
     # model, whose whole job takes 0.09 s, without hiding a cold start (several seconds on 8B).
     assert seconds[0] <= 1.5 * steady + 0.1, (warm, seconds)
@@ -69,61 +72,51 @@ def test_greedy_completion_is_repeatable(engine: Any) -> None:
     assert first.text == engine.decode(first.token_ids)
 
 
-def test_streaming_outputs_arrive_step_by_step(engine: Any) -> None:
+def test_streaming_outputs_arrive_step_by_step(engine: Any, mode: str) -> None:
     run = run_job(engine, engine.encode(PROMPT, True), greedy(64))
-    # Not one output per token: exllamav2 holds text back while it ends in an unfinished UTF-8
-    # sequence, which random weights produce often (up to four replacement characters at a time).
-    assert len(run.outputs) >= 8, "tokens must stream out over many steps, not in one lump"
+    # Not always one output per token: an engine holds text back while it ends in an unfinished
+    # UTF-8 sequence or could be the start of a stop string.
+    assert len(run.outputs) >= 32, "tokens must stream out over many steps, not in one lump"
     assert all(o.finish_reason is None and o.usage is None for o in run.outputs[:-1])
     assert run.final.usage is not None
     gaps = sorted(b - a for a, b in zip(run.times, run.times[1:], strict=False))
-    p50_ms, max_ms = 1000 * gaps[len(gaps) // 2], 1000 * gaps[-1]
-    record("engine stream tiny", outputs=len(run.outputs), tok_s=64 / run.seconds, gap_p50_ms=p50_ms,
-           gap_max_ms=max_ms)  # fmt: skip
+    record(f"engine stream tiny {mode}", outputs=len(run.outputs), tok_s=64 / run.seconds,
+           gap_p50_ms=1000 * gaps[len(gaps) // 2], gap_max_ms=1000 * gaps[-1])  # fmt: skip
 
 
-def test_usage_counts_and_timings(engine: Any) -> None:
+def test_usage_counts_and_timings(engine: Any, mode: str) -> None:
     ids = engine.encode(PROMPT, True)
     run = run_job(engine, ids, greedy(40))
     usage = run.final.usage
     assert usage.prompt_tokens == len(ids)
     assert usage.completion_tokens == 40 == len(run.token_ids)
     for key in ("queue_s", "prefill_s", "decode_s"):
-        assert 0.0 <= usage[key] <= run.seconds + 0.01, (key, usage)
+        assert 0.0 <= getattr(usage, key) <= run.seconds + 0.01, (key, usage)
     again = run_job(engine, ids, greedy(40)).final.usage
-    record(
-        "engine usage tiny",
-        cached_tokens_first=usage.cached_tokens,
-        cached_tokens_again=again.cached_tokens,
-    )
+    record(f"engine usage tiny {mode}", cached_first=usage.cached_tokens, cached_again=again.cached_tokens)
 
 
-def test_concurrent_jobs_match_solo_runs(engine: Any) -> None:
+def test_concurrent_jobs_match_solo_runs(engine: Any, mode: str) -> None:
     prompts = {f"job{i}": engine.encode(f"Story {i}: {PROMPT}", True) for i in range(4)}
-    solo = {rid: run_job(engine, ids, greedy(32)).token_ids for rid, ids in prompts.items()}
+    solo = {rid: run_job(engine, ids, greedy(32, logprobs=2)) for rid, ids in prompts.items()}
     for rid, ids in prompts.items():
         engine.submit(rid, ids, greedy(32))
-    most_active, finished = 0, set()
+    most_active, outputs = 0, {rid: [] for rid in prompts}
     while engine.has_work():
         most_active = max(most_active, engine.stats().active_jobs)
-        outputs = engine.step()
-        finished |= {o.rid for o in outputs if o.finish_reason}
-    assert finished == set(prompts)
-    runs = run_jobs(engine, {rid: (ids, greedy(32)) for rid, ids in prompts.items()})
-    if not engine.paged:
-        # Unpaged (no flash-attn) the generator holds one job at a time, so each runs as if alone.
-        assert most_active == 1
-        for rid in prompts:
-            assert runs[rid].token_ids == solo[rid], rid
+        for output in engine.step():
+            outputs[output.rid].extend(output.token_ids)
+    if mode == "exllamav2-unpaged":
+        assert most_active == 1  # the generator holds one job at a time, so each runs as if alone
+        assert outputs == {rid: run.token_ids for rid, run in solo.items()}
     else:
-        # Batched fp16 matmuls may break near-ties differently; the lengths must still hold.
         assert 1 < most_active <= 4
-        assert all(len(runs[rid].token_ids) == 32 for rid in prompts)
-    wall = max(r.times[-1] for r in runs.values()) - min(r.submitted for r in runs.values())
-    record("engine 4 concurrent tiny", paged=engine.paged, most_active=most_active, tok_s=4 * 32 / wall)
+        for rid, run in solo.items():
+            assert_same_tokens(run.token_ids, run.logprobs, outputs[rid], rid)
+    record(f"engine 4 concurrent tiny {mode}", most_active=most_active)
 
 
-def test_cancel_leaves_generator_empty(engine: Any) -> None:
+def test_cancel_leaves_generator_empty_and_frees_the_cache(engine: Any) -> None:
     ids = engine.encode(PROMPT, True)
     engine.submit("a", ids, greedy(1000))
     engine.submit("b", ids, greedy(1000))
@@ -134,6 +127,8 @@ def test_cancel_leaves_generator_empty(engine: Any) -> None:
     assert engine.cancel("a") and engine.cancel("b")
     assert generator.pending_jobs == [] and generator.active_jobs == []
     assert not engine.has_work()
+    stats = engine.stats()
+    assert stats.cache_pages_total > 0 and stats.cache_pages_free == stats.cache_pages_total, stats
     assert not engine.cancel("a"), "a second cancel is a no-op"
     assert not engine.cancel("never-submitted")
     # The cache pages came back: a long job still fits and gives the usual result.
@@ -181,15 +176,33 @@ def test_eos_min_tokens_and_logit_bias(engine: Any) -> None:
     assert run.final.finish_reason == "length" and run.token_ids == [eos] * 6
 
 
+def test_seed_and_sampling_overrides(engine: Any) -> None:
+    ids = engine.encode(PROMPT, True)
+
+    def sampled(seed: int, **kw: Any) -> list[int]:
+        params = SamplingParams(max_tokens=24, temperature=1.2, top_p=0.95, seed=seed, ignore_eos=True, **kw)
+        return run_job(engine, ids, params).token_ids
+
+    assert sampled(1) == sampled(1), "the same seed gives the same sample"
+    assert sampled(1) != sampled(2), "another seed gives another sample"
+    # top_k=1 leaves one candidate: whatever the temperature, that is greedy decoding.
+    assert sampled(3, top_k=1) == run_job(engine, ids, greedy(24)).token_ids
+
+
 def test_logprobs(engine: Any) -> None:
     run = run_job(engine, engine.encode(PROMPT, True), greedy(8, logprobs=3))
-    entries = [entry for output in run.outputs for entry in output.logprobs]
+    entries = run.logprobs
     assert len(entries) == len(run.token_ids) == 8
     for entry, token_id in zip(entries, run.token_ids, strict=True):
         assert entry.token_id == token_id and entry.token == engine.decode([token_id])
-        assert entry.logprob <= 0.0
-        assert len(entry.top) == 3 and all(t.logprob <= 0.0 and t.token == engine.decode([t.token_id])
-                                           for t in entry.top)  # fmt: skip
+        assert len(entry.top) == 3 and all(t.token == engine.decode([t.token_id]) for t in entry.top)
+        values = [t.logprob for t in entry.top]
+        assert values == sorted(values, reverse=True) and values[0] <= 0.0
+        assert sum(math.exp(v) for v in values) <= 1.0 + 1e-3
+        # Greedy picks the most likely token: it is the first alternative, with the same logprob.
+        assert entry.top[0].token_id == token_id and abs(entry.top[0].logprob - entry.logprob) < 1e-4
+    sampled = run_job(engine, engine.encode(PROMPT, True), SamplingParams(max_tokens=8, seed=4, logprobs=0))
+    assert len(sampled.logprobs) == 8 and all(e.top == [] and e.logprob <= 0.0 for e in sampled.logprobs)
 
 
 def test_context_length(engine: Any) -> None:
@@ -204,68 +217,66 @@ def test_context_length(engine: Any) -> None:
     assert run.final.finish_reason == "length" and len(run.token_ids) == 5
 
 
-def test_info_reports_devices(engine: Any) -> None:
+def test_info_reports_mode_and_devices(engine: Any, mode: str) -> None:
     info = engine.info()
-    assert info.engine == "exllamav2" and info.max_seq_len == TINY_SETTINGS["max_seq_len"]
+    assert info.engine == ENGINE_MODES[mode][0] and info.max_seq_len == TINY_SETTINGS["max_seq_len"]
+    assert info.paged == (mode != "exllamav2-unpaged")
+    assert info.max_batch_size == (1 if mode == "exllamav2-unpaged" else TINY_SETTINGS["max_batch_size"])
+    assert info.attention == ATTENTION.get(mode, info.attention) and info.attention != "sdpa"
     assert info.cache_size % 256 == 0 and info.cache_size >= info.max_seq_len
-    assert info.attention != "sdpa", "exllamav2 0.3.2's SDPA fallback prefills without a causal mask"
     assert len(info.devices) == torch.cuda.device_count()
     for device in info.devices:
         assert device.name and device.uuid.startswith("GPU-")
         assert 0 < device.memory_used_mib < device.memory_total_mib
-    record("engine info", paged=info.paged, cache_size=info.cache_size, device=info.devices[0].name)
+    record(f"engine info {mode}", paged=info.paged, attention=info.attention, cache_size=info.cache_size,
+           device=info.devices[0].name, version=info.engine_version)  # fmt: skip
 
 
-def test_speculative_decoding_matches_plain_greedy(engine: Any, tiny_model: Path) -> None:
-    # The model drafting for itself: every draft token is accepted and the text is unchanged.
-    ids = engine.encode(PROMPT, True)
-    drafting = load_engine(tiny_model, draft_path=str(tiny_model), **TINY_SETTINGS)
+@pytest.mark.parametrize("drafting", ["draft model", "ngram"])
+def test_speculative_decoding_matches_plain_greedy(
+    engine: Any, mode: str, tiny_model: Path, drafting: str
+) -> None:
+    # A draft model: the model drafting for itself, so drafts are accepted and the text is unchanged.
+    # n-gram: a repetitive prompt gives the n-gram drafter something to propose.
+    ids = engine.encode(PROMPT * (1 if drafting == "draft model" else 4), True)
+    setting = {"draft_path": str(tiny_model)} if drafting == "draft model" else {"ngram_draft": True}
+    drafting_engine = load_engine(mode, tiny_model, **setting, **TINY_SETTINGS)
     try:
-        run = run_job(drafting, ids, greedy(48))
+        assert drafting_engine.info().draft == ("ngram" if drafting == "ngram" else tiny_model.name)
+        run = run_job(drafting_engine, ids, greedy(48))
     finally:
-        drafting.close()
-    plain = run_job(engine, ids, greedy(48)).token_ids
-    same = next((i for i, (a, b) in enumerate(zip(run.token_ids, plain, strict=True)) if a != b), 48)
-    record("engine speculative tiny", identical_tokens=same, accepted=run.final.usage.accepted_draft_tokens)
-    assert run.token_ids == plain
-    assert run.final.usage.completion_tokens == 48
-    assert run.final.usage.accepted_draft_tokens > 0
+        drafting_engine.close()
+    plain = run_job(engine, ids, greedy(48, logprobs=2))
+    same = assert_same_tokens(plain.token_ids, plain.logprobs, run.token_ids, drafting)
+    usage = run.final.usage
+    record(f"engine speculative {drafting} {mode}", identical_tokens=same,
+           accepted=usage.accepted_draft_tokens, rejected=usage.rejected_draft_tokens)  # fmt: skip
+    assert usage.completion_tokens == 48 == len(run.token_ids)
+    if drafting == "draft model":
+        assert usage.accepted_draft_tokens > 0
 
 
-def test_ngram_drafting_matches_plain_greedy(engine: Any, tiny_model: Path) -> None:
-    # A repetitive prompt gives n-gram drafts something to propose; the output must not change.
-    ids = engine.encode(PROMPT * 4, True)
-    drafting = load_engine(tiny_model, ngram_draft=True, **TINY_SETTINGS)
-    try:
-        assert drafting.info().draft == "ngram"
-        run = run_job(drafting, ids, greedy(48))
-    finally:
-        drafting.close()
-    plain = run_job(engine, ids, greedy(48)).token_ids
-    record("engine ngram tiny", accepted=run.final.usage.accepted_draft_tokens)
-    assert run.token_ids == plain and run.final.usage.completion_tokens == 48
-
-
-def test_prefill_chunking_and_cache_history_do_not_change_output(engine: Any, tiny_model: Path) -> None:
-    """Causal prefill: a prompt read in 16-token chunks, or after other jobs, gives the same tokens."""
-    ids = engine.encode(PROMPT * 3, True)
-    reference = run_job(engine, ids, greedy(32)).token_ids
-    small_chunks = load_engine(tiny_model, **{**TINY_SETTINGS, "max_chunk_size": 16})
+def test_prefill_chunking_and_cache_history_do_not_change_output(
+    engine: Any, mode: str, tiny_model: Path
+) -> None:
+    """Causal prefill: a prompt read in small chunks, or after other jobs, gives the same tokens."""
+    chunk = 16 if mode == "exllamav2-unpaged" else 256  # paged prefill works in whole 256-token pages
+    ids = engine.encode(PROMPT * 50, True)[:700]
+    reference = run_job(engine, ids, greedy(32, logprobs=2))
+    small_chunks = load_engine(mode, tiny_model, **{**TINY_SETTINGS, "max_chunk_size": chunk})
     try:
         run_job(small_chunks, small_chunks.encode(WARMUP_PROMPT, True), greedy(32))
         chunked = run_job(small_chunks, ids, greedy(32)).token_ids
-        attention = small_chunks.attention
     finally:
         small_chunks.close()
-    same = next((i for i, (a, b) in enumerate(zip(chunked, reference, strict=True)) if a != b), 32)
-    record("engine chunking tiny", identical_tokens=same, attention=attention)
-    assert chunked == reference
+    same = assert_same_tokens(reference.token_ids, reference.logprobs, chunked, f"chunks of {chunk}")
+    record(f"engine chunking tiny {mode}", chunk=chunk, identical_tokens=same)
 
 
-def test_big_model_throughput(big_engine: Any) -> None:
+def test_big_model_throughput(big_engine: Any, mode: str) -> None:
     ids = big_engine.encode(PROMPT, True)
     runs = [run_job(big_engine, ids, greedy(128)) for _ in range(3)]
     tok_s = statistics.median(128 / r.seconds for r in runs)
     ttft = statistics.median(r.times[0] - r.submitted for r in runs)
-    record("engine 8B single stream", tok_s=tok_s, ttft_ms=1000 * ttft, paged=big_engine.paged)
-    assert tok_s > 20, f"{tok_s:.1f} tok/s on an 8B FP16 model is far below the ~65 expected"
+    record(f"engine 8B single stream {mode}", tok_s=tok_s, ttft_ms=1000 * ttft)
+    assert tok_s > 20, f"{tok_s:.1f} tok/s on an 8B FP16 model is far below the ~50-90 expected"

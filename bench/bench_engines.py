@@ -1,0 +1,294 @@
+"""Gateway overhead on a GPU engine: raw exllamav2 or exllamav3 in-process versus the gateway.
+
+Runs as a standalone process on a GPU host (scripts/gpu_run.sh starts it). Owns the scenarios and
+the report. The same model, settings and prompts are driven (1) in this process through the
+engine library's own generator and (2) through a gateway started on a free port, whose worker
+loads the same model with the same settings, at 1, 4, 16 and 64 concurrent greedy streams. Raw
+and gateway rounds alternate at each concurrency (never overlapping), after a warm-up round of
+each. Then, through the gateway only, streamed completions with `logprobs: 1` against the same
+without, alternating. With `--mixed-model` on a two-GPU host it also serves an exllamav2 model on
+GPU 0 and an exllamav3 model on GPU 1 from one gateway, each alone and both at once. Writes a
+markdown table with the targets and a JSON file (device, date, versions, every figure).
+
+    python bench/bench_engines.py --engine exllamav2 --model /tmp/models/llama3-8b --out-dir $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime, timezone
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT))
+
+from bench.profiling import Profiler  # noqa: E402
+from bench.streams import Round, engine_round, http_round, raw_round, summarize  # noqa: E402
+from model_worker.engines.registry import create_engine  # noqa: E402
+from tests.gpu.support import gateway_env, write_registry  # noqa: E402
+from tests.harness import GatewayProcess  # noqa: E402
+
+PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time, in a small village, " * 4
+
+
+def prompts(count: int) -> list[str]:
+    """Distinct prompts of one length, so no stream reuses another's cached prefix."""
+    return [f"Stream {i:03d}. {PROMPT}" for i in range(count)]
+
+
+def settings(args: argparse.Namespace) -> dict[str, Any]:
+    return {"max_batch_size": max(args.streams), "max_chunk_size": 2048, "cache_size": args.cache_size}
+
+
+def registry_entry(
+    name: str, engine: str, model: str, gpus: list[int], args: argparse.Namespace
+) -> dict[str, Any]:
+    most = max(args.streams)
+    return {"name": name, "engine": engine, "path": model, "gpus": gpus, "max_seq_len": args.max_seq_len,
+            "engine_settings": settings(args),
+            "limits": {"max_concurrent_jobs": most, "max_queued_requests": 4 * most}}  # fmt: skip
+
+
+def gateway(config: Path, log: Path) -> GatewayProcess:
+    return GatewayProcess(config, env=gateway_env(), ready_timeout=900, log_path=log)
+
+
+def run_overhead(args: argparse.Namespace, report: dict[str, Any]) -> None:
+    """Raw vs gateway (and optionally our engine in-process) at each concurrency, alternating
+    rounds; then logprobs vs none (gateway); then, with --py-spy, one profiled round of each."""
+    engine = create_engine(args.engine, args.model, args.max_seq_len, settings(args))
+    engine.load(lambda detail, progress: None)
+    report["info"] = {k: v for k, v in dataclasses.asdict(engine.info()).items() if k != "devices"}
+    config = write_registry(
+        args.out_dir / "bench.yaml", [registry_entry("m", args.engine, args.model, [0], args)]
+    )
+    with gateway(config, args.out_dir / f"bench-{args.engine}.log") as gw:
+        for count in args.streams:
+            texts = prompts(count)
+            ids = [engine.encode(text, True) for text in texts]
+            run = {
+                "raw": partial(raw_round, args.engine, engine, ids, args.new_tokens),
+                "engine": partial(engine_round, engine, ids, args.new_tokens),
+                "gateway": partial(http_round, gw.url, "m", texts, args.new_tokens, None),
+            }
+            paths = [path for path in run if path in args.paths]
+            rounds: dict[str, list[Round]] = {path: [] for path in paths}
+            for path in paths:  # warm-up: this batch shape, once each
+                run[path]()
+            for _ in range(args.rounds):
+                for path in paths:
+                    rounds[path].append(run[path]())
+            for path, done in rounds.items():
+                report["rows"].append({"path": path, "streams": count, **summarize(done)})
+            args.save()  # after each level: a run cut short keeps what it measured
+            print(f"bench: {count} streams done", flush=True)
+        for count in args.logprob_streams:
+            texts = prompts(count)
+            http_round(gw.url, "m", texts, args.new_tokens, 1)
+            lp_rounds: dict[str, list[Round]] = {"gateway": [], "gateway, logprobs 1": []}
+            for _ in range(args.rounds):
+                lp_rounds["gateway"].append(http_round(gw.url, "m", texts, args.new_tokens, None))
+                lp_rounds["gateway, logprobs 1"].append(http_round(gw.url, "m", texts, args.new_tokens, 1))
+            for path, done in lp_rounds.items():
+                report["logprobs"].append({"path": path, "streams": count, **summarize(done)})
+            args.save()
+            print(f"bench: logprobs at {count} streams done", flush=True)
+        if args.py_spy:
+            profiler = Profiler(args.py_spy, args.out_dir / "profiles")
+            pids = {"worker": int(gw.workers()[0]["pid"]), "gateway": gw.pid}
+            for count in args.streams[:: max(len(args.streams) - 1, 1)]:  # the first and last level
+                texts = prompts(count)
+                ids = [engine.encode(text, True) for text in texts]
+                with profiler.record(f"raw-{count}", {"bench": os.getpid()}):
+                    raw_round(args.engine, engine, ids, args.new_tokens)
+                with profiler.record(f"gateway-{count}", pids):
+                    http_round(gw.url, "m", texts, args.new_tokens, None)
+                report["profiles"] = profiler.summaries
+                args.save()
+        report["worker"] = gw.workers()[0]["info"]
+    engine.close()
+
+
+def run_mixed(args: argparse.Namespace, report: dict[str, Any]) -> None:
+    """exllamav2 on GPU 0 and exllamav3 on GPU 1 in one gateway: each alone, then both at once."""
+    count = args.mixed_streams
+    models = [registry_entry("v2", "exllamav2", args.model, [0], args),
+              registry_entry("v3", "exllamav3", args.mixed_model, [1], args)]  # fmt: skip
+    config = write_registry(args.out_dir / "bench-mixed.yaml", models)
+    with gateway(config, args.out_dir / "bench-mixed.log") as gw:
+        texts = prompts(count)
+        for name in ("v2", "v3"):
+            http_round(gw.url, name, texts, args.new_tokens, None)
+        alone: dict[str, list[Round]] = {"v2": [], "v3": []}
+        both: dict[str, list[Round]] = {"v2": [], "v3": []}
+        for _ in range(args.rounds):  # alone and together alternate
+            for name in ("v2", "v3"):
+                alone[name].append(http_round(gw.url, name, texts, args.new_tokens, None))
+            with ThreadPoolExecutor(2) as pool:
+                rounds = pool.map(lambda n: http_round(gw.url, n, texts, args.new_tokens, None), ("v2", "v3"))
+                for name, done in zip(("v2", "v3"), rounds, strict=True):
+                    both[name].append(done)
+    for name in ("v2", "v3"):
+        row_alone, row_both = summarize(alone[name]), summarize(both[name])
+        report["mixed"].append({"model": name, "streams": count, "alone": row_alone, "together": row_both,
+                                "ratio": row_both["tok_s_total"] / row_alone["tok_s_total"]})  # fmt: skip
+
+
+# ---- report ------------------------------------------------------------------------------------
+
+
+def targets(rows: list[dict[str, Any]]) -> list[tuple[str, str, bool]]:
+    """(target, measured, met) for each target of the paging and exllamav3 issues."""
+    by = {(r["path"], r["streams"]): r for r in rows}
+    out = []
+
+    def pair(count: int) -> tuple[dict[str, Any], dict[str, Any]] | None:
+        raw, gw = by.get(("raw", count)), by.get(("gateway", count))
+        return (raw, gw) if raw and gw else None
+
+    if p := pair(1):
+        ratio = p[1]["tok_s_per_stream"] / p[0]["tok_s_per_stream"]
+        out.append(("1 stream: gateway tok/s >= 0.98 x raw", f"{ratio:.3f}", ratio >= 0.98))
+        added = p[1]["ttft_ms_p50"] - p[0]["ttft_ms_p50"]
+        out.append(("1 stream: TTFT p50 + <= 5 ms", f"{added:+.1f} ms", added <= 5))
+    for count in (16, 64):
+        if p := pair(count):
+            ratio = p[1]["tok_s_total"] / p[0]["tok_s_total"]
+            out.append((f"{count} streams: total tok/s >= 0.95 x raw", f"{ratio:.3f}", ratio >= 0.95))
+    if p := pair(64):
+        added = p[1]["ttft_ms_p50"] - p[0]["ttft_ms_p50"]
+        out.append(("64 streams: TTFT p50 + <= 20 ms", f"{added:+.1f} ms", added <= 20))
+    for count in sorted({r["streams"] for r in rows}):
+        if p := pair(count):
+            limit, gap = p[0]["step_ms_p99"] + 5, p[1]["gap_ms_p99"]
+            target = f"{count} streams: token gap p99 <= raw step p99 + 5 ms"
+            out.append((target, f"{gap:.1f} vs {limit:.1f} ms", gap <= limit))
+    return out
+
+
+HEADER = (
+    "| path | streams | tok/s total | tok/s per stream | TTFT p50 / p99 ms | token gap p50 / p99 ms "
+    "| step p50 / p99 ms | tokens per chunk |\n|---|---|---|---|---|---|---|---|"
+)
+
+
+def row_line(r: dict[str, Any]) -> str:
+    steps = f"{r['step_ms_p50']:.1f} / {r['step_ms_p99']:.1f}" if r["step_ms_p50"] is not None else "-"
+    return (
+        f"| {r['path']} | {r['streams']} | {r['tok_s_total']:.1f} | {r['tok_s_per_stream']:.1f} "
+        f"| {r['ttft_ms_p50']:.1f} / {r['ttft_ms_p99']:.1f} | {r['gap_ms_p50']:.1f} / {r['gap_ms_p99']:.1f} "
+        f"| {steps} | {r['tokens_per_chunk'] or '-'} |"
+    )
+
+
+def markdown(report: dict[str, Any]) -> str:
+    versions = report["versions"]
+    lines = [
+        f"{report['device']} | {report['date']} | {report['engine']} {versions['engine']} | "
+        f"torch {versions['torch']} | {Path(report['model']).name} | greedy, {report['new_tokens']} new "
+        f"tokens, median of {report['rounds']} rounds",
+        "",
+        HEADER,
+        *(row_line(r) for r in report["rows"] + report["logprobs"]),
+        "",
+        "| target | measured | met |",
+        "|---|---|---|",
+    ]
+    for name, measured, met in targets(report["rows"]):
+        lines.append(f"| {name} | {measured} | {'yes' if met else '**no**'} |")
+    by = {(r["path"], r["streams"]): r for r in report["logprobs"]}
+    for count in sorted({r["streams"] for r in report["logprobs"]}):
+        plain, with_lp = by.get(("gateway", count)), by.get(("gateway, logprobs 1", count))
+        if plain and with_lp:
+            ratio = with_lp["tok_s_total"] / plain["tok_s_total"]
+            met = "yes" if ratio >= 0.90 else "**no**"
+            lines.append(
+                f"| {count} streams: logprobs 1 total tok/s >= 0.90 x without | {ratio:.3f} | {met} |"
+            )
+    for m in report["mixed"]:
+        met = "yes" if m["ratio"] >= 0.95 else "**no**"
+        target = f"mixed registry: {m['model']}, {m['streams']} streams, other model busy >= 0.95 x alone"
+        measured = f"{m['together']['tok_s_total']:.1f} vs {m['alone']['tok_s_total']:.1f}: {m['ratio']:.3f}"
+        lines.append(f"| {target} | {measured} | {met} |")
+    for label, summary in report.get("profiles", {}).items():
+        busy = summary.get("samples", 0) - summary.get("idle", 0)
+        top = "; ".join(f"{frame.split(' (')[0]} {pct}%" for frame, pct in summary.get("self_pct", [])[:6])
+        lines.append(f"| profile {label}: {busy} busy samples, most self time | {top or summary} | - |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--engine", default="exllamav2", choices=["exllamav2", "exllamav3"])
+    parser.add_argument("--model", required=True, help="model folder (an 8B-shape demo model in gpu_run.sh)")
+    parser.add_argument("--streams", default="1,4,16,64", help="concurrency levels")
+    parser.add_argument("--logprob-streams", default="64", help="levels for logprobs vs none ('' to skip)")
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--rounds", type=int, default=2, help="measured rounds per level and path")
+    parser.add_argument("--max-seq-len", type=int, default=4096)
+    parser.add_argument("--cache-size", type=int, default=65536, help="KV cache tokens, both paths")
+    parser.add_argument(
+        "--mixed-model", help="two GPUs: an exllamav3 model for GPU 1 (exllamav2 --model on 0)"
+    )
+    parser.add_argument("--mixed-streams", type=int, default=16)
+    parser.add_argument("--skip-overhead", action="store_true", help="only the mixed-registry scenario")
+    parser.add_argument("--paths", default="raw,gateway", help="raw, engine (ours, in-process), gateway")
+    parser.add_argument(
+        "--py-spy", help="py-spy binary: profile one round of each path at the first and last level"
+    )
+    parser.add_argument("--out-dir", type=Path, default=Path("bench/results"))
+    args = parser.parse_args(argv)
+    args.streams = [int(s) for s in args.streams.split(",") if s]
+    args.paths = args.paths.split(",")
+    args.logprob_streams = [int(s) for s in args.logprob_streams.split(",") if s]
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+
+    import importlib.metadata
+
+    import torch
+
+    engine_for_version = "exllamav2" if args.skip_overhead else args.engine
+    report: dict[str, Any] = {
+        "engine": args.engine, "model": args.model, "new_tokens": args.new_tokens, "rounds": args.rounds,
+        "device": f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}",
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "versions": {"engine": importlib.metadata.version(engine_for_version), "torch": torch.__version__,
+                     "cuda": torch.version.cuda, "python": platform.python_version()},
+        "settings": {**settings(args), "max_seq_len": args.max_seq_len, "greedy": True},
+        "rows": [], "logprobs": [], "mixed": [], "errors": [],
+    }  # fmt: skip
+    stem = f"bench_{args.engine if not args.skip_overhead else 'mixed'}"
+
+    def save() -> str:
+        report["targets"] = [
+            {"target": t, "measured": m, "met": met} for t, m, met in targets(report["rows"])
+        ]
+        (args.out_dir / f"{stem}.json").write_text(json.dumps(report, indent=1))
+        table = markdown(report)
+        (args.out_dir / f"{stem}.md").write_text(table + "\n")
+        return table
+
+    args.save = save
+    scenarios = [] if args.skip_overhead else [run_overhead]
+    if args.mixed_model and torch.cuda.device_count() >= 2:
+        scenarios.append(run_mixed)
+    for scenario in scenarios:
+        try:
+            scenario(args, report)
+        except Exception as exc:  # one broken scenario must not lose the others' numbers
+            print(f"bench: {scenario.__name__} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+            report["errors"].append(f"{scenario.__name__}: {type(exc).__name__}: {str(exc)[:2000]}")
+    print(save())
+    return 1 if report["errors"] else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

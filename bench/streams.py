@@ -1,0 +1,174 @@
+"""Stream drivers for the GPU benchmarks: N concurrent greedy streams, raw in-process or over HTTP.
+
+Imported by bench/bench_engines.py (a standalone benchmark process on a GPU host). Owns the two
+ways to run one round of N streams and what each records: the arrival time of every token, so
+time to first token, tokens per second and the gap between tokens are all counted by tokens.
+Raw rounds drive the engine's own generator (exllamav2's or exllamav3's) directly, with the
+library's own job and greedy sampler, and also time every generator step. HTTP rounds stream
+/v1/completions: with `logprobs` each chunk says how many tokens it carries; without, the count
+is checked instead (every chunk must be one token, which the demo tokenizer makes true).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+
+@dataclass
+class Stream:
+    started: float
+    token_times: list[float] = field(default_factory=list)  # one entry per token
+
+    @property
+    def tokens(self) -> int:
+        return len(self.token_times)
+
+    @property
+    def ttft(self) -> float:
+        return self.token_times[0] - self.started
+
+    @property
+    def tok_s(self) -> float:
+        return self.tokens / (self.token_times[-1] - self.started)
+
+    @property
+    def gaps(self) -> list[float]:
+        return [b - a for a, b in zip(self.token_times, self.token_times[1:], strict=False)]
+
+
+@dataclass
+class Round:
+    streams: list[Stream]
+    step_seconds: list[float] = field(default_factory=list)  # raw rounds: every generator step
+    chunks: int = 0  # HTTP rounds: content chunks received, to check one token per chunk
+
+
+def raw_round(engine_name: str, engine: Any, prompts: list[list[int]], new_tokens: int) -> Round:
+    """One round of greedy jobs straight through the library's generator (our engine only built it)."""
+    torch, generator = engine._torch, engine.generator
+    streams = [Stream(0.0) for _ in prompts]
+    if engine_name == "exllamav2":
+        from exllamav2.generator import ExLlamaV2DynamicJob, ExLlamaV2Sampler
+
+        def job(i: int, ids: Any) -> Any:
+            return ExLlamaV2DynamicJob(input_ids=ids, max_new_tokens=new_tokens, identifier=i,
+                                       gen_settings=ExLlamaV2Sampler.Settings.greedy())  # fmt: skip
+    else:
+        import exllamav3
+
+        def job(i: int, ids: Any) -> Any:
+            return exllamav3.Job(input_ids=ids, max_new_tokens=new_tokens, identifier=i,
+                                 sampler=exllamav3.ArgmaxSampler())  # fmt: skip
+
+    steps: list[float] = []
+    for i, prompt in enumerate(prompts):
+        streams[i].started = time.perf_counter()
+        generator.enqueue(job(i, torch.tensor([prompt], dtype=torch.long)))
+    while generator.num_remaining_jobs():
+        started = time.perf_counter()
+        results = generator.iterate()
+        now = time.perf_counter()
+        steps.append(now - started)
+        for result in results:
+            if result["stage"] == "streaming" and "token_ids" in result:
+                streams[result["identifier"]].token_times += [now] * int(result["token_ids"].shape[-1])
+    return Round(streams, steps)
+
+
+def engine_round(engine: Any, prompts: list[list[int]], new_tokens: int) -> Round:
+    """One round through our engine's submit/step in this process (the worker's engine, no serve
+    loop, socket or HTTP): with raw and gateway rounds it splits the gateway's overhead in two."""
+    from wire.params import SamplingParams
+
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    streams = {f"e{i}": Stream(0.0) for i in range(len(prompts))}
+    for (rid, stream), prompt in zip(streams.items(), prompts, strict=True):
+        stream.started = time.perf_counter()
+        engine.submit(rid, prompt, params)
+    steps: list[float] = []
+    while engine.has_work():
+        started = time.perf_counter()
+        outputs = engine.step()
+        now = time.perf_counter()
+        steps.append(now - started)
+        for output in outputs:
+            streams[output.rid].token_times += [now] * len(output.token_ids)
+    return Round(list(streams.values()), steps)
+
+
+def http_round(url: str, model: str, prompts: list[str], new_tokens: int, logprobs: int | None) -> Round:
+    """One round of concurrent streamed completions, one client connection per stream."""
+    body: dict[str, Any] = {"model": model, "max_tokens": new_tokens, "temperature": 0, "ignore_eos": True,
+                            "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    if logprobs is not None:
+        body["logprobs"] = logprobs
+
+    def one(prompt: str) -> tuple[Stream, int]:
+        stream, chunks, usage = Stream(time.perf_counter()), 0, None
+        with httpx.Client(base_url=url, timeout=600) as client:
+            stream.started = time.perf_counter()
+            with client.stream("POST", "/v1/completions", json={**body, "prompt": prompt}) as response:
+                if response.status_code != 200:
+                    raise RuntimeError(f"HTTP {response.status_code}: {response.read().decode()[:300]}")
+                for line in response.iter_lines():
+                    if not line.startswith("data: {"):
+                        continue
+                    now = time.perf_counter()
+                    event = json.loads(line[6:])
+                    if "error" in event:
+                        raise RuntimeError(f"stream error: {event['error']}")
+                    usage = event.get("usage") or usage
+                    for choice in event.get("choices", []):
+                        counted = len((choice.get("logprobs") or {}).get("tokens") or [])
+                        if logprobs is None and choice.get("text"):
+                            counted = 1
+                            chunks += 1
+                        stream.token_times += [now] * counted
+        if usage is None or usage["completion_tokens"] != new_tokens:
+            raise RuntimeError(f"stream ended with usage {usage}, expected {new_tokens} tokens")
+        return stream, chunks
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        done = list(pool.map(one, prompts))
+    return Round([stream for stream, _ in done], chunks=sum(chunks for _, chunks in done))
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values) or [0.0]
+    return ordered[min(len(ordered) - 1, int(len(ordered) * q))]
+
+
+def summarize(rounds: list[Round]) -> dict[str, Any]:
+    """Per-round total rate (median over rounds) and per-stream, TTFT and gap percentiles over all."""
+    streams = [s for r in rounds for s in r.streams]
+    gaps = [g for s in streams for g in s.gaps]
+    steps = [t for r in rounds for t in r.step_seconds]
+    totals = [sum(s.tokens for s in r.streams) / (max(s.token_times[-1] for s in r.streams)
+              - min(s.started for s in r.streams)) for r in rounds]  # fmt: skip
+    tokens = sum(s.tokens for s in streams)
+    mean_gap = sum(gaps) / len(gaps) if gaps else 0.0
+    median_gap = percentile(gaps, 0.5)
+    return {
+        "tok_s_total": sorted(totals)[len(totals) // 2],
+        "tok_s_per_stream": percentile([s.tok_s for s in streams], 0.5),
+        "ttft_ms_p50": 1000 * percentile([s.ttft for s in streams], 0.5),
+        "ttft_ms_p99": 1000 * percentile([s.ttft for s in streams], 0.99),
+        "gap_ms_p50": 1000 * percentile(gaps, 0.5),
+        "gap_ms_p99": 1000 * percentile(gaps, 0.99),
+        "gap_ms_mean": 1000 * mean_gap,
+        "gap_ms_max": 1000 * max(gaps, default=0.0),
+        # Time per stream spent in gaps longer than twice the median: stalls, not steady steps.
+        "stall_ms_per_stream": 1000 * sum(g for g in gaps if g > 2 * median_gap) / max(len(streams), 1),
+        "step_ms_p50": 1000 * percentile(steps, 0.5) if steps else None,
+        "step_ms_p99": 1000 * percentile(steps, 0.99) if steps else None,
+        "tokens": tokens,
+        "tokens_per_chunk": round(tokens / sum(r.chunks for r in rounds), 3)
+        if any(r.chunks for r in rounds)
+        else None,
+    }
