@@ -224,6 +224,8 @@ class Worker:
                 if self._handshake is not None and self._handshake.refused():
                     logger.error("the gateway at %s refused this worker's CURVE key; exiting", self.endpoint)
                     return
+                # Its step counter and job counts are what the gateway's wedge watchdog judges by:
+                # prefill chunks send no Step frame, and only the engine knows which jobs it holds.
                 self._send(wire.Heartbeat(self.state, engine.stats()))
                 if self.parent_pid is not None and os.getppid() != self.parent_pid:
                     logger.warning("gateway (pid %s) is gone; exiting", self.parent_pid)

@@ -101,8 +101,10 @@ class WorkerLink:
         self._exchanges: dict[str, _Exchange] = {}
         # When each worker last sent anything: any frame proves it alive, not only heartbeats.
         self.last_seen: dict[str, float] = {}
-        # When each worker last made progress (a Step frame) or was handed a job: wedge detection.
-        self.last_progress: dict[str, float] = {}
+        # For the supervisor's wedge watchdog, beside what heartbeats report: when each worker id
+        # last sent a Step frame, and when it was last handed a job.
+        self.last_step_frame: dict[str, float] = {}
+        self.last_job_sent: dict[str, float] = {}
         self._readers: list[asyncio.Task[None]] = []
         self._dispatch: dict[type[wire.Message], Callable[[str, Any], None]] = {
             wire.Step: self._on_step,
@@ -184,7 +186,8 @@ class WorkerLink:
         self._local_ids.discard(worker_id)
         self._remote_keys.pop(worker_id, None)
         self.last_seen.pop(worker_id, None)
-        self.last_progress.pop(worker_id, None)
+        self.last_step_frame.pop(worker_id, None)
+        self.last_job_sent.pop(worker_id, None)
 
     def _admit(self, worker_id: str, remote: bool, public_z85: str | None) -> tuple[bool, WorkerKey | None]:
         """Whether the frame may be handled, and (over tcp) the key it came with."""
@@ -215,7 +218,7 @@ class WorkerLink:
 
     def send(self, worker_id: str, message: wire.Message) -> bool:
         if isinstance(message, wire.Generate):
-            self.last_progress[worker_id] = time.monotonic()
+            self.last_job_sent[worker_id] = time.monotonic()
         try:
             # Local ids live on the ipc socket only; anything else can only be a remote worker.
             local = worker_id in self._local_ids or self._remote_sock is None
@@ -307,7 +310,7 @@ class WorkerLink:
                 pending.reply.set_result(message)
 
     def _on_step(self, worker_id: str, message: wire.Step) -> None:
-        self.last_progress[worker_id] = time.monotonic()
+        self.last_step_frame[worker_id] = time.monotonic()
         for output in message.outputs:
             job = self._jobs.get(output.rid)
             if job is not None and job.worker_id == worker_id:

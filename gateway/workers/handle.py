@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.config.registry import ModelConfig
+from gateway.workers.step_watch import StepWatch
 from wire import messages as wire
 from wire.states import InvalidTransition, WorkerState, check_transition
 from wire.stats import EngineInfo, EngineStats
@@ -47,6 +48,7 @@ class WorkerHandle:
     outstanding_tokens: int = 0  # prompt + max_tokens of its requests in flight: the routing load
     last_used: float = field(default_factory=time.monotonic)
     process: asyncio.subprocess.Process | None = None
+    step_watch: StepWatch | None = None  # the wedge watchdog's evidence about a local process
     task: asyncio.Task[None] | None = None
     retiring: bool = False  # being unloaded or replaced: no restart when it exits
     remote: bool = False  # a worker on another host: joined over tcp, never spawned by us
@@ -72,6 +74,17 @@ class WorkerHandle:
             logger.info("worker %s: %s -> %s %s", self.id, old, state.value, detail, extra=fields)
         self.state, self.detail = state, detail
         return True
+
+    def on_heartbeat(self, stats: EngineStats, now: float) -> None:
+        """The engine's figures; tokens/s between heartbeats, smoothed, for /admin/workers and the
+        dashboard; the steps and jobs the wedge watchdog judges by."""
+        if now > self.rate_at > 0:
+            rate = max(stats.generated_tokens - self.stats.generated_tokens, 0) / (now - self.rate_at)
+            self.tokens_per_s += (rate - self.tokens_per_s) * 0.5
+        self.rate_at = now
+        self.stats = stats
+        if self.step_watch is not None:
+            self.step_watch.on_heartbeat(stats, now)
 
     def _log_fields(self) -> dict[str, str]:
         return {"worker": self.id, "model": self.model.name}

@@ -1,9 +1,11 @@
 """Local worker lifecycle: spawn, watch, restart with backoff, stop.
 
 Runs in the gateway process, on its asyncio loop. Owns one `WorkerHandle` per model replica and
-the child processes behind them. Death is seen three ways: the process exit (asyncio's child
-watcher), a missing frame for `heartbeat_timeout_s` (lost or wedged), and a missed start deadline.
-When a worker goes, every request it held hears so at once, through the link, from its owner.
+the child processes behind them. Death is seen four ways: the process exit (asyncio's child
+watcher), a missing frame for `heartbeat_timeout_s` (lost or hung), a missed start deadline, and
+jobs the worker says it holds with no step it reports for `wedge_timeout_s` (wedged; see
+gateway.workers.step_watch). When a worker goes, every request it held hears so at once, through
+the link, from its owner. Idle unloads run in gateway.workers.upkeep.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from gateway.workers.handle import WorkerHandle
 from gateway.workers.loads import LoadGate, LoadRefused
 from gateway.workers.remote import RemoteMembers
 from gateway.workers.remote_keys import WorkerKey
+from gateway.workers.step_watch import StepWatch
+from gateway.workers.upkeep import Upkeep
 from wire import messages as wire
 from wire.states import HOLDS_PROCESS, WorkerState
 
@@ -47,8 +51,7 @@ class Supervisor:
         self.workers: dict[str, WorkerHandle] = {}
         self._generations: dict[str, int] = {}
         self._stopping = False
-        self._idle_task: asyncio.Task[None] | None = None
-        self._background: set[asyncio.Task[None]] = set()
+        self._upkeep_task: asyncio.Task[None] | None = None
         self.remote = RemoteMembers(self)
         self.loads = LoadGate(self)
         for model in registry.models:
@@ -82,7 +85,7 @@ class Supervisor:
         for handle in self.workers.values():
             if handle.model.load == "startup":
                 self.launch(handle)
-        self._idle_task = asyncio.create_task(self._unload_idle_forever(), name="idle-unloader")
+        self._upkeep_task = asyncio.create_task(Upkeep(self).run_forever(), name="worker-upkeep")
 
     def launch(self, handle: WorkerHandle) -> None:
         """Start (or restart after an unload) the worker of a handle; idempotent while it runs."""
@@ -130,8 +133,8 @@ class Supervisor:
 
     async def stop(self, grace_s: float) -> None:
         self._stopping = True
-        if self._idle_task is not None:
-            self._idle_task.cancel()
+        if self._upkeep_task is not None:
+            self._upkeep_task.cancel()
         for handle in self.workers.values():
             if handle.process and handle.process.returncode is None:
                 self.set_state(handle, S.DRAINING, "shutting down")
@@ -141,22 +144,10 @@ class Supervisor:
             await self._reap(handle, max(deadline - time.monotonic(), 0.1))
             self.set_state(handle, S.STOPPED, "")
         tasks = [h.task for h in self.workers.values() if h.task is not None]
-        tasks += [t for t in (self._idle_task, *self._background) if t is not None]
+        tasks += [self._upkeep_task] if self._upkeep_task is not None else []
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-
-    async def _unload_idle_forever(self) -> None:
-        while True:
-            await asyncio.sleep(0.5)
-            now = time.monotonic()
-            for handle in list(self.workers.values()):
-                idle_s = handle.model.idle_unload_s
-                if idle_s and handle.ready and not handle.in_flight and now - handle.last_used >= idle_s:
-                    logger.info("worker %s idle for %.0fs; unloading", handle.id, now - handle.last_used)
-                    task = asyncio.create_task(self.retire(handle, 0.0))
-                    self._background.add(task)
-                    task.add_done_callback(self._background.discard)
 
     def mark_draining(self) -> None:
         """Shutdown has begun: nothing new is routed; in-flight jobs keep their worker."""
@@ -187,8 +178,7 @@ class Supervisor:
             self.remote.rejoin(handle, message)
             return
         if isinstance(message, wire.Heartbeat):
-            self._update_rate(handle, message.stats)
-            handle.stats = message.stats
+            handle.on_heartbeat(message.stats, time.monotonic())
         elif isinstance(message, wire.Status):
             # Frames of a process that has since died may still be queued: only a live one moves on.
             if message.state is S.STOPPED:
@@ -236,6 +226,7 @@ class Supervisor:
                 return
             await self._spawn(handle)
             exit_reason = await self._watch(handle)
+            handle.step_watch = None  # no process now: nothing to watch
             reason = f"{handle.death_cause} ({exit_reason})" if handle.death_cause else exit_reason
             self.fail_requests(handle, reason)
             if self._stopping or handle.retiring:
@@ -287,6 +278,7 @@ class Supervisor:
         )
         handle.pid = handle.process.pid
         handle.spawned_at = time.monotonic()
+        handle.step_watch = StepWatch(handle.spawned_at)
         self.link.last_seen[handle.id] = handle.spawned_at
         logger.info("spawned worker %s for model %s (pid %s)", handle.id, model.name, handle.pid)
 
@@ -295,6 +287,8 @@ class Supervisor:
         assert handle.process is not None
         server = self.registry.server
         wedge_timeout_s = handle.model.limits.wedge_timeout_s
+        # Steps are reported once per heartbeat: a live worker's last report may be that much older.
+        stalled_limit_s = wedge_timeout_s + server.heartbeat_interval_s
         exited = asyncio.create_task(handle.process.wait())
         while True:
             done, _ = await asyncio.wait({exited}, timeout=min(server.heartbeat_interval_s, 1.0))
@@ -312,18 +306,20 @@ class Supervisor:
             elif now - self.link.last_seen.get(handle.id, now) > server.heartbeat_timeout_s:
                 handle.death_cause = f"no heartbeat for {server.heartbeat_timeout_s:g}s (hung or lost)"
                 self._kill(handle)
-            elif handle.in_flight and now - self.link.last_progress.get(handle.id, now) > wedge_timeout_s:
-                handle.death_cause = f"jobs in flight but no generator step for {wedge_timeout_s:g}s (wedged)"
+            elif (stalled_s := self._stalled_for(handle, now)) is not None and stalled_s > stalled_limit_s:
+                handle.death_cause = (
+                    f"holds jobs but no generator step for {stalled_s:.1f}s "
+                    f"(wedge_timeout_s={wedge_timeout_s:g}; wedged)"
+                )
                 self._kill(handle)
 
-    @staticmethod
-    def _update_rate(handle: WorkerHandle, stats: wire.EngineStats) -> None:
-        """tokens/s between heartbeats, smoothed, for /admin/workers and the dashboard."""
-        now, previous = time.monotonic(), handle.stats.generated_tokens
-        if now > handle.rate_at > 0:
-            rate = max(stats.generated_tokens - previous, 0) / (now - handle.rate_at)
-            handle.tokens_per_s += (rate - handle.tokens_per_s) * 0.5
-        handle.rate_at = now
+    def _stalled_for(self, handle: WorkerHandle, now: float) -> float | None:
+        if handle.step_watch is None:
+            return None
+        link = self.link
+        return handle.step_watch.stalled_for(
+            now, link.last_step_frame.get(handle.id), link.last_job_sent.get(handle.id)
+        )
 
     def fail_requests(self, handle: WorkerHandle, reason: str) -> None:
         """The worker is gone or unreachable: every request it held ends now with a clear error."""

@@ -105,7 +105,9 @@ class Engine(Protocol):
         """Stop a job and free its cache; False if it was unknown or already finished."""
 
     def step(self) -> list[JobOutput]:
-        """Advance every active job by one step; one output per job that produced something."""
+        """Advance every active job by one step; one output per job that produced something.
+        Every call that ran the model counts in stats().steps, prefill chunks that output nothing
+        included: the gateway's wedge watchdog judges a worker by that counter."""
 
     def has_work(self) -> bool: ...
 
