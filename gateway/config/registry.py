@@ -236,6 +236,13 @@ class ServerConfig(_Strict):
     restart_limit: int = Field(
         5, ge=1, description="Failed starts in a row before a worker is marked failed."
     )
+    retry_failed_after_s: float | None = Field(
+        300.0,
+        ge=0,
+        description="A failed worker is tried again after this many seconds (another restart_limit starts; "
+        "an on-demand model goes back to unloaded, so its next request loads it). 0 or null: it stays "
+        "failed until loaded by hand.",
+    )
     write_stall_timeout_s: float = Field(
         30.0, gt=0, description="A streaming client that reads nothing for this long is dropped."
     )

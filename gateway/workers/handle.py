@@ -30,6 +30,7 @@ class WorkerHandle:
     replica: int = 0
     gpus: list[int] = field(default_factory=list)
     state: WorkerState = WorkerState.STARTING
+    state_since: float = field(default_factory=time.monotonic)
     detail: str = ""
     progress: float | None = None
     pid: int | None = None
@@ -72,6 +73,7 @@ class WorkerHandle:
             fields = self._log_fields()
             old = self.state.value
             logger.info("worker %s: %s -> %s %s", self.id, old, state.value, detail, extra=fields)
+            self.state_since = time.monotonic()
         self.state, self.detail = state, detail
         return True
 

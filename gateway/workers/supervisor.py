@@ -5,7 +5,7 @@ the child processes behind them. Death is seen four ways: the process exit (asyn
 watcher), a missing frame for `heartbeat_timeout_s` (lost or hung), a missed start deadline, and
 jobs the worker says it holds with no step it reports for `wedge_timeout_s` (wedged; see
 gateway.workers.step_watch). When a worker goes, every request it held hears so at once, through
-the link, from its owner. Idle unloads run in gateway.workers.upkeep.
+the link, from its owner. Idle unloads and retries of failed workers run in gateway.workers.upkeep.
 """
 
 from __future__ import annotations
@@ -226,7 +226,7 @@ class Supervisor:
                 return
             await self._spawn(handle)
             exit_reason = await self._watch(handle)
-            handle.step_watch = None  # no process now: nothing to watch
+            handle.pid = handle.step_watch = None  # no process now: nothing to show or to watch
             reason = f"{handle.death_cause} ({exit_reason})" if handle.death_cause else exit_reason
             self.fail_requests(handle, reason)
             if self._stopping or handle.retiring:

@@ -1,9 +1,14 @@
-"""The supervisor's slow rounds: idle workers unloaded.
+"""The supervisor's slow rounds: idle workers unloaded, failed workers tried again.
 
 Runs in the gateway process, on its asyncio loop: one task started with the supervisor, ticking
-every half second. Owns the decisions taken on time alone, not on any frame: a ready worker of a
-model with `idle_unload_s` that has had no request for that long is retired (its process exits,
-its memory is free; the next request loads it again).
+every half second. Owns the two decisions taken on time alone, not on any frame:
+
+- a ready worker of a model with `idle_unload_s` that has had no request for that long is retired
+  (its process exits, its memory is free; the next request loads it again);
+- a worker `failed` for `server.retry_failed_after_s` is tried again: a startup model's worker is
+  launched (another `restart_limit` starts), an on-demand model's goes back to `unloaded`, so its
+  next request loads it. A crash loop that was caused by something passing (a full GPU, a
+  model folder being copied) so heals without an operator.
 """
 
 from __future__ import annotations
@@ -14,11 +19,13 @@ import time
 from typing import TYPE_CHECKING
 
 from gateway.workers.handle import WorkerHandle
+from wire.states import WorkerState
 
 if TYPE_CHECKING:
     from gateway.workers.supervisor import Supervisor
 
 logger = logging.getLogger(__name__)
+S = WorkerState
 TICK_S = 0.5
 
 
@@ -35,6 +42,8 @@ class Upkeep:
                 for handle in list(self.supervisor.workers.values()):
                     if self._idle_too_long(handle, now):
                         self._unload(handle, now)
+                    elif self._failed_long_enough(handle, now):
+                        self._retry(handle, now)
         finally:
             for task in self._retiring:
                 task.cancel()
@@ -45,8 +54,25 @@ class Upkeep:
         idle_s = handle.model.idle_unload_s
         return bool(idle_s and handle.ready and not handle.in_flight and now - handle.last_used >= idle_s)
 
+    def _failed_long_enough(self, handle: WorkerHandle, now: float) -> bool:
+        retry_s = self.supervisor.registry.server.retry_failed_after_s
+        if not retry_s or handle.state is not S.FAILED or handle.remote or handle.retiring:
+            return False
+        return now - handle.state_since >= retry_s and (handle.task is None or handle.task.done())
+
     def _unload(self, handle: WorkerHandle, now: float) -> None:
         logger.info("worker %s idle for %.0fs; unloading", handle.id, now - handle.last_used)
         task = asyncio.create_task(self.supervisor.retire(handle, 0.0))
         self._retiring.add(task)
         task.add_done_callback(self._retiring.discard)
+
+    def _retry(self, handle: WorkerHandle, now: float) -> None:
+        failed_for = now - handle.state_since
+        if handle.model.load == "on_demand":
+            logger.warning("worker %s failed %.0fs ago; its next request loads it", handle.id, failed_for)
+            detail = f"loads at its next request (failed: {handle.detail})"
+            self.supervisor.set_state(handle, S.UNLOADED, detail)
+            return
+        logger.warning("worker %s failed %.0fs ago; trying again", handle.id, failed_for)
+        handle.restarts += 1
+        self.supervisor.launch(handle)

@@ -131,6 +131,22 @@ def test_missing_file(tmp_path: Path) -> None:
         load_registry(tmp_path / "nope.yaml")
 
 
+@pytest.mark.parametrize(("value", "expected"), [("", 300.0), ("retry_failed_after_s: 5", 5.0),
+                                                  ("retry_failed_after_s: 0", 0.0),
+                                                  ("retry_failed_after_s: null", None)])  # fmt: skip
+def test_retry_of_failed_workers_is_on_by_default_and_can_be_turned_off(
+    tmp_path: Path, value: str, expected: float | None
+) -> None:
+    text = f"server: {{{value}}}\nmodels:\n  - {{name: m1, engine: transformers, path: x}}\n"
+    assert load_registry(write(tmp_path, text)).server.retry_failed_after_s == expected
+
+
+def test_negative_retry_of_failed_workers_is_refused(tmp_path: Path) -> None:
+    text = "server: {retry_failed_after_s: -1}\nmodels:\n  - {name: m1, engine: transformers, path: x}\n"
+    with pytest.raises(ConfigError, match="retry_failed_after_s"):
+        load_registry(write(tmp_path, text))
+
+
 def test_registry_is_frozen(tmp_path: Path) -> None:
     registry = load_registry(write(tmp_path, GOOD))
     with pytest.raises(Exception, match="frozen"):
