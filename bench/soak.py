@@ -1,20 +1,24 @@
-"""A bounded soak of the gateway: random load, client disconnects and worker kills for a few minutes.
+"""A soak of the gateway: random load, client disconnects, worker kills and reloads for 30 minutes.
 
-Runs as a standalone process (the soak process) on any CPU host. It makes two demo models in a temp
-dir, starts a gateway with both (`python -m gateway serve` via tests.harness, transformers engine,
-threads=1, one worker process each) and, for `--minutes`, drives it from `--clients` concurrent
-asyncio httpx clients looping over random requests (chat or completions, streamed or not,
-max_tokens 16-200, either model); about 20% of streams are dropped by the client mid-stream.
-Every `--kill-every` seconds it SIGKILLs one worker process (alternating models).
+Runs as a standalone process (the soak process) on any Linux CPU host. It makes two demo models in
+a temp dir, starts a gateway with both (`python -m gateway serve` via tests.harness, transformers
+engine, threads=1, one worker process each) and, for `--minutes`, drives it from `--clients`
+concurrent asyncio httpx clients looping over random requests (chat or completions, streamed or
+not, max_tokens 16-200, either model); about 20% of streams are dropped by the client mid-stream.
+Every `--kill-every` seconds it SIGKILLs one worker process (alternating models), and every
+`--reload-every` seconds it rewrites the registry and reloads it (POST /admin/reload: a model
+changed, a model added, the other changed, the added one removed; bench/soak_chaos.py).
 
 It measures: requests started / succeeded / failed with a clean error (HTTP 503 or an SSE `error`
-event, expected around kills) / failed uncleanly (anything else: reset without an error event, other
-5xx, timeouts, malformed SSE), client disconnects, worker recovery time per kill (until
-/admin/workers shows the model ready with a new pid), the gateway's RSS after warm-up and at the end
-(VmRSS), leaked jobs once clients stop (active + queued + in_flight over workers, after up to 5 s),
-and throughput. Exits non-zero on leaked jobs, unclean failures or a worker that never recovered.
+event, expected around kills and reloads) / failed uncleanly (anything else: reset without an
+error event, other 5xx, timeouts, malformed SSE), client disconnects, recovery per kill and per
+reload, the gateway's RSS and open file descriptors every `--sample-every` seconds (with the host's
+load; bench/soak_resources.py), RSS growth after `--baseline-after-s`, leaked jobs once clients
+stop (active + queued + in_flight over workers, after up to 5 s), and throughput. Exits non-zero
+on leaked jobs, unclean failures, a worker or reload that never recovered, RSS growth of 5% or
+more after the baseline, or a descriptor count that did not stay flat.
 
-    python bench/soak.py --minutes 3 --clients 8 --kill-every 60 --out bench/results
+    python bench/soak.py --minutes 30 --clients 8 --kill-every 120 --reload-every 120 --out bench/results
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import os
 import platform
 import random
 import shutil
-import signal
+import statistics
 import sys
 import tempfile
 import time
@@ -41,20 +45,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import httpx  # noqa: E402
 
+from bench import soak_resources  # noqa: E402
+from bench.soak_chaos import EXTRA_MODEL, Chaos  # noqa: E402
 from tests.harness import GatewayProcess  # noqa: E402
 from tests.integration.conftest import demo_entry, write_registry  # noqa: E402
 
 MODELS = ("soak-small", "soak-medium")
 REQUEST_TIMEOUT_S = 60.0  # per request, client side; the whole request is also bounded by wait_for
-RECOVERY_TIMEOUT_S = 60.0
 WORDS = "the quick brown fox jumps over a lazy dog once upon a time in small village".split()
-
-
-def rss_kib(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1])
-    return 0
 
 
 def random_body(rng: random.Random) -> tuple[str, dict[str, Any]]:
@@ -151,44 +149,20 @@ async def workers_of(admin: httpx.AsyncClient) -> list[dict[str, Any]]:
     return (await admin.get("/admin/workers")).json()["workers"]  # type: ignore[no-any-return]
 
 
-async def killer(url: str, every: float, started: float, stop_at: float, kills: list[dict[str, Any]]) -> None:
-    async with httpx.AsyncClient(base_url=url, timeout=5) as admin:
-        index = 0
-        while started + (index + 1) * every < stop_at:
-            await asyncio.sleep(started + (index + 1) * every - time.monotonic())
-            model = MODELS[index % len(MODELS)]
-            index += 1
-            old = next(w for w in await workers_of(admin) if w["model"] == model)
-            if old["state"] != "ready" or not old["pid"]:
-                continue  # still recovering from something else: skip this kill rather than stack two
-            os.kill(old["pid"], signal.SIGKILL)
-            killed_at = time.monotonic()
-            at_s = round(killed_at - started, 1)
-            record: dict[str, Any] = {"model": model, "at_s": at_s, "old_pid": old["pid"], "recovery_s": None}
-            kills.append(record)
-            while time.monotonic() - killed_at < RECOVERY_TIMEOUT_S:
-                now = next(w for w in await workers_of(admin) if w["model"] == model)
-                if now["state"] == "ready" and now["pid"] != old["pid"]:
-                    record.update(recovery_s=round(time.monotonic() - killed_at, 2), new_pid=now["pid"])
-                    break
-                await asyncio.sleep(0.05)
-
-
-async def soak(gw: GatewayProcess, args: argparse.Namespace, report: dict[str, Any]) -> None:
-    duration = args.minutes * 60
-    started = time.monotonic()
-    stop_at = started + duration
+async def soak(gw: GatewayProcess, chaos: Chaos, args: argparse.Namespace, report: dict[str, Any]) -> None:
+    started, stop_at = chaos.started, chaos.stop_at
     stats: Counter[str] = Counter()
-    kills: list[dict[str, Any]] = []
     events: list[Event] = []
+    samples: list[dict[str, float]] = []
+    sampler = asyncio.create_task(soak_resources.sample_forever(gw.pid, started, args.sample_every, samples))
     clients = [
         asyncio.create_task(client_loop(gw.url, args.seed + i, stop_at, stats, events))
         for i in range(args.clients)
     ]
-    kill_task = asyncio.create_task(killer(gw.url, args.kill_every, started, stop_at, kills))
-    await asyncio.sleep(min(args.warmup_s, duration / 2))
-    report["rss_kib_start"] = rss_kib(gw.pid)
-    await asyncio.gather(*clients, kill_task)
+    faults = [asyncio.create_task(chaos.kill_every(args.kill_every))]
+    if args.reload_every > 0:
+        faults.append(asyncio.create_task(chaos.reload_every(args.reload_every, args.reload_every / 2)))
+    await asyncio.gather(*clients, *faults)
     wall = time.monotonic() - started
     async with httpx.AsyncClient(base_url=gw.url, timeout=5) as admin:
         deadline = time.monotonic() + 5
@@ -198,14 +172,16 @@ async def soak(gw: GatewayProcess, args: argparse.Namespace, report: dict[str, A
             if leaked == 0 or time.monotonic() > deadline:
                 break
             await asyncio.sleep(0.1)
-    report["rss_kib_end"] = rss_kib(gw.pid)
+    sampler.cancel()
+    samples.append(soak_resources.sample(gw.pid, started))  # at the end, after the leak check
     unclean = {k.split(":", 1)[1]: v for k, v in stats.items() if k.startswith("unclean:")}
     report.update(
         wall_s=round(wall, 1), started=stats["started"], succeeded=stats["ok"], failed_clean=stats["clean"],
         failed_unclean=sum(unclean.values()), unclean_kinds=unclean, disconnects=stats["disconnect"],
-        leaked_jobs=leaked, workers_at_end=workers, kills=kills, completion_tokens=stats["tokens"],
-        requests_per_s=round(stats["ok"] / wall, 2), tokens_per_s=round(stats["tokens"] / wall, 1),
-        timeline=timeline(events, started, args.interval_s),
+        leaked_jobs=leaked, workers_at_end=workers, kills=chaos.kills, reloads=chaos.reloads,
+        completion_tokens=stats["tokens"], requests_per_s=round(stats["ok"] / wall, 2),
+        tokens_per_s=round(stats["tokens"] / wall, 1), timeline=timeline(events, started, args.interval_s),
+        resources=samples, resources_summary=soak_resources.summary(samples, args.baseline_after_s),
     )  # fmt: skip
 
 
@@ -238,19 +214,26 @@ def environment(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"), "cpu": cpu,
         "cores": os.cpu_count(), "python": platform.python_version(), "minutes": args.minutes,
-        "clients": args.clients, "kill_every_s": args.kill_every, "warmup_s": args.warmup_s,
-        "seed": args.seed,
+        "clients": args.clients, "kill_every_s": args.kill_every, "reload_every_s": args.reload_every,
+        "sample_every_s": args.sample_every, "baseline_after_s": args.baseline_after_s, "seed": args.seed,
+        "load1_at_start": soak_resources.load_average(),
     }  # fmt: skip
 
 
+def _recoveries(records: list[dict[str, Any]], label: str, key: str) -> str:
+    times = [r[key] for r in records if r[key] is not None]
+    missing = len(records) - len(times)
+    if not records:
+        return "none"
+    text = f"{len(records)} {label}"
+    if times:
+        text += f": median {statistics.median(times):.2f} s, max {max(times):.2f} s"
+    return text + (f"; {missing} NOT RECOVERED" if missing else "")
+
+
 def markdown(r: dict[str, Any]) -> str:
-    env = r["env"]
-    recov = ", ".join(
-        f"{k['model']} @{k['at_s']:g}s: "
-        + (f"{k['recovery_s']:.2f} s" if k["recovery_s"] is not None else "NOT RECOVERED")
-        for k in r["kills"]
-    )
-    rss = f"{r['rss_kib_start'] / 1024:.1f} / {r['rss_kib_end'] / 1024:.1f} MiB"
+    env, res = r["env"], r["resources_summary"]
+    ended = sum(x["requests_ended"] or 0 for x in r["reloads"])
     rows = [
         ("requests started", r["started"]),
         ("succeeded", r["succeeded"]),
@@ -258,24 +241,55 @@ def markdown(r: dict[str, Any]) -> str:
         ("failed, unclean", f"{r['failed_unclean']} {r['unclean_kinds'] or ''}".strip()),
         ("client-initiated disconnects", r["disconnects"]),
         ("leaked jobs (5 s after clients stop)", r["leaked_jobs"]),
-        ("gateway RSS after warm-up / end", rss),
-        ("worker kills: recovery time", recov or "none"),
+        ("worker kills: until ready again", _recoveries(r["kills"], "kills", "recovery_s")),
+        ("reloads: until every model serves", _recoveries(r["reloads"], "reloads", "ready_s")),
+        ("requests the reloads ended (drain grace over)", ended),
+        (f"gateway RSS at {res['baseline_t_s']:g} s / at the end",
+         f"{res['rss_mib_baseline']:.1f} / {res['rss_mib_end']:.1f} MiB "
+         f"({res['rss_growth_pct_after_baseline']:+.2f}%; first sample {res['rss_mib_first']:.1f}, "
+         f"max {res['rss_mib_max']:.1f})"),
+        ("gateway open fds: min / max (first / end)",
+         f"{res['fds_min']} / {res['fds_max']} ({res['fds_first']} / {res['fds_end']})"),
+        ("host load (1-min average): mean / max", f"{res['load1_mean']} / {res['load1_max']}"),
         ("throughput", f"{r['requests_per_s']} req/s, {r['tokens_per_s']} completion tok/s (succeeded only)"),
+        ("targets: RSS growth < 5% after baseline; fds flat",
+         f"{'met' if res['rss_target_met'] else 'MISSED'}; {'met' if res['fds_flat'] else 'MISSED'}"),
     ]  # fmt: skip
     head = (
         f"{env['cpu']}, {env['cores']} cores | {env['date']} | python {env['python']} | "
         f"{env['minutes']:g} min ({r['wall_s']} s wall), {env['clients']} clients, "
-        f"kill every {env['kill_every_s']:g} s"
+        f"kill every {env['kill_every_s']:g} s, reload every {env['reload_every_s']:g} s"
     )
-    return "\n".join([head, "", "| metric | value |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows)])
+    every = max(1, round(300 / env["sample_every_s"]))  # one row per 5 minutes
+    shown = r["resources"][::every] + ([r["resources"][-1]] if len(r["resources"]) % every != 1 else [])
+    resources = [f"| {x['t_s']:g} | {x['rss_mib']:.1f} | {x['fds']} | {x['load1']:.2f} |" for x in shown]
+    return "\n".join([
+        head, "", "| metric | value |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows), "",
+        "| t (s) | gateway RSS (MiB) | open fds | host load |", "|---|---|---|---|", *resources,
+    ])  # fmt: skip
+
+
+def failures(report: dict[str, Any]) -> list[str]:
+    res = report["resources_summary"]
+    checks = {
+        "leaked jobs": report["leaked_jobs"] > 0,
+        "unclean failures": report["failed_unclean"] > 0,
+        "a worker kill never recovered": any(k["recovery_s"] is None for k in report["kills"]),
+        "a reload never finished": any(r["ready_s"] is None for r in report["reloads"]),
+        "RSS grew 5% or more after the baseline": not res["rss_target_met"],
+        "open fds not flat": not res["fds_flat"],
+    }
+    return [what for what, failed in checks.items() if failed]
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--minutes", type=float, default=3.0)
+    parser.add_argument("--minutes", type=float, default=30.0)
     parser.add_argument("--clients", type=int, default=8)
-    parser.add_argument("--kill-every", type=float, default=60.0, help="seconds between worker SIGKILLs")
-    parser.add_argument("--warmup-s", type=float, default=15.0, help="load before the first RSS sample")
+    parser.add_argument("--kill-every", type=float, default=120.0, help="seconds between worker SIGKILLs")
+    parser.add_argument("--reload-every", type=float, default=120.0, help="seconds between reloads; 0: none")
+    parser.add_argument("--sample-every", type=float, default=10.0, help="seconds between RSS/fd samples")
+    parser.add_argument("--baseline-after-s", type=float, default=300.0, help="RSS growth counts from then")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--interval-s", type=float, default=10.0, help="bins of the timeline plot")
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
@@ -290,18 +304,20 @@ def main(argv: list[str] | None = None) -> int:
         work = Path(tmp)
         small = make_demo_model(work / "small", preset="small", seed=0)
         medium = make_demo_model(work / "medium", preset="medium", seed=1)
-        config = write_registry(
-            work / "models.yaml", [demo_entry(MODELS[0], small), demo_entry(MODELS[1], medium)]
-        )
+        models = [demo_entry(MODELS[0], small), demo_entry(MODELS[1], medium)]
+        config = write_registry(work / "models.yaml", models)
         gw = GatewayProcess(config)
         try:
             with gw:
-                asyncio.run(soak(gw, args, report))
+                started = time.monotonic()
+                chaos = Chaos(gw.url, config, models, demo_entry(EXTRA_MODEL, small), started,
+                              started + args.minutes * 60)  # fmt: skip
+                asyncio.run(soak(gw, chaos, args, report))
         finally:
             if gw.log_path.exists():
                 shutil.copyfile(gw.log_path, args.out / f"{stem}.gateway.log")
-    failed = report["leaked_jobs"] > 0 or report["failed_unclean"] > 0
-    failed = failed or any(k["recovery_s"] is None for k in report["kills"])
+    failed = failures(report)
+    report["failures"] = failed
     if not failed:
         (args.out / f"{stem}.gateway.log").unlink(missing_ok=True)  # kept only to investigate failures
     table = markdown(report)
@@ -312,16 +328,18 @@ def main(argv: list[str] | None = None) -> int:
     env = report["env"]
     timeline_plot(
         report["timeline"],
-        f"Soak: {env['clients']} clients, two demo models, a worker killed every {env['kill_every_s']:g} s",
+        f"Soak: {env['clients']} clients, two demo models, a worker killed every {env['kill_every_s']:g} s, "
+        f"a reload every {env['reload_every_s']:g} s",
         f"{env['cpu']}, {env['cores']} cores, {env['date']}",
         args.out / f"{stem}.png",
-        events=[(k["at_s"], f"kill {k['model']}") for k in report["kills"]],
+        events=[(k["at_s"], f"kill {k['model']}") for k in report["kills"]]
+        + [(r["at_s"], f"reload: {r['what']}") for r in report["reloads"]],
+        resources=report["resources"],
     )
     print(table)
-    print(
-        f"\nwrote {args.out / stem}.md, .json and .png"
-        + (f" (gateway log: {stem}.gateway.log)" if failed else "")
-    )
+    print(f"\nwrote {args.out / stem}.md, .json and .png")
+    if failed:
+        print(f"FAILED: {'; '.join(failed)} (gateway log: {stem}.gateway.log)")
     return 1 if failed else 0
 
 

@@ -43,3 +43,16 @@ def test_timeline_plot_with_events(tmp_path: Path) -> None:
     out = plots.timeline_plot(rows, "soak", "machine, date", tmp_path / "soak.png", events=[(30.0, "kill a")])
     width, height = png_size(out)
     assert width > 600 and height > 400
+
+
+def test_timeline_plot_with_resources_adds_a_panel(tmp_path: Path) -> None:
+    rows = [{"t_s": 5.0 + 10 * i, "ok": 10, "clean_errors": 0, "unclean_errors": 0, "p50_ms": 50.0,
+             "p99_ms": 90.0} for i in range(30)]  # fmt: skip
+    samples = [{"t_s": 10.0 * i, "rss_mib": 60 + i / 10, "fds": 40 + i % 3, "load1": 1.0} for i in range(30)]
+    events = [(20.0 * i, "kill a" if i % 2 else "reload: change a") for i in range(1, 14)]
+    two = plots.timeline_plot(rows, "soak", "machine, date", tmp_path / "two.png", events=events)
+    three = plots.timeline_plot(
+        rows, "soak", "machine, date", tmp_path / "three.png", events=events, resources=samples
+    )
+    (width2, height2), (width3, height3) = png_size(two), png_size(three)
+    assert height3 > height2 * 1.3 and abs(width3 - width2) < 0.2 * width2  # one more panel below
