@@ -58,6 +58,12 @@ class PermissionDenied(APIError):
     code = "permission_denied"
 
 
+class UnsupportedMediaType(APIError):
+    status = 415
+    type = "invalid_request_error"
+    code = "unsupported_media_type"
+
+
 class ModelNotFound(APIError):
     status = 404
     type = "invalid_request_error"

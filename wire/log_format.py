@@ -64,11 +64,21 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(entry, ensure_ascii=False, default=str)
 
 
+# Control characters in a message are written escaped (a newline as \n), so that nothing a
+# client sends (a path with %0A, a model name) can start what looks like a second log line.
+_ESCAPES = {code: repr(chr(code))[1:-1] for code in (*range(32), 127) if chr(code) != "\t"}
+
+
 class TextFormatter(logging.Formatter):
-    """The classic line, with the known context fields appended as `[request_id=... model=...]`."""
+    """The classic line, with the known context fields appended as `[request_id=... model=...]`.
+    One record is one line (a traceback below it stays as it is)."""
 
     def __init__(self) -> None:
         super().__init__(_TEXT_FORMAT)
+
+    def formatMessage(self, record: logging.LogRecord) -> str:  # noqa: N802 (logging's name)
+        record.message = record.message.translate(_ESCAPES)
+        return super().formatMessage(record)
 
     def format(self, record: logging.LogRecord) -> str:
         line = super().format(record)

@@ -14,6 +14,11 @@ Keys file:
       - name: ops
         key_sha256: 9f86...
         admin: true                    # may use /admin/*; models as listed (none here)
+      - name: prometheus
+        key_sha256: 2c26...
+        metrics: true                  # may read /metrics (and nothing else without models)
+/metrics shows every model's figures, so it answers to admin keys, metrics keys and keys for every
+model ("*"); a key scoped to some models gets 403 there.
 Environment: GATEWAY_API_KEYS (comma-separated; every model) and GATEWAY_ADMIN_KEYS (admin, every model).
 """
 
@@ -61,6 +66,7 @@ class KeyEntry(BaseModel):
     key_sha256: str | None = Field(None, pattern=r"^[0-9a-fA-F]{64}$", description="Hex SHA-256 of the key.")
     models: list[str] = Field(default_factory=list, description="Model names or aliases; '*' for all.")
     admin: bool = Field(False, description="May use /admin/*.")
+    metrics: bool = Field(False, description="May read /metrics (every model's figures).")
     rate_limit_rpm: int | None = Field(None, ge=1, description="Requests per minute on /v1/*.")
 
     @field_validator("key")
@@ -74,7 +80,7 @@ class KeyEntry(BaseModel):
     def _one_secret(self) -> KeyEntry:
         if (self.key is None) == (self.key_sha256 is None):
             raise ValueError("give exactly one of 'key' and 'key_sha256'")
-        if not self.admin and not self.models:
+        if not self.admin and not self.metrics and not self.models:
             raise ValueError("an inference key needs 'models' (names, or '*' for all)")
         return self
 
@@ -92,9 +98,15 @@ class ApiKey:
     models: frozenset[str] | None  # canonical model names; None means every model
     admin: bool = False
     rate_limit_rpm: int | None = None
+    metrics: bool = False
 
     def allows(self, model: str) -> bool:
         return self.models is None or model in self.models
+
+    @property
+    def sees_every_model(self) -> bool:
+        """May see figures of every model (/metrics): admin, metrics, or unscoped keys."""
+        return self.admin or self.metrics or self.models is None
 
 
 def digest_of(key: str) -> bytes:
@@ -148,7 +160,7 @@ def parse_keys_file(path: Path, registry: Registry) -> list[ApiKey]:
         else:
             digest = bytes.fromhex(entry.key_sha256 or "")
         scope = None if "*" in models else frozenset(models)
-        keys.append(ApiKey(entry.name, digest, scope, entry.admin, entry.rate_limit_rpm))
+        keys.append(ApiKey(entry.name, digest, scope, entry.admin, entry.rate_limit_rpm, entry.metrics))
     return keys
 
 

@@ -258,6 +258,16 @@ class ServerConfig(_Strict):
     max_connections_per_client: int = Field(
         512, ge=1, description="Open HTTP connections from one client address at most."
     )
+    allowed_hosts: list[str] = Field(
+        default_factory=list,
+        description="Host names served without API keys besides loopback ones (localhost, 127.0.0.1, "
+        "::1): a keyless gateway refuses any other Host header, against DNS rebinding.",
+    )
+    allowed_origins: list[str] = Field(
+        default_factory=list,
+        description="Browser origins (https://ui.example:8443) besides the gateway's own that may send "
+        "POST and other state-changing requests; any other Origin is refused with 403.",
+    )
     readiness: Literal["all_startup", "any"] = Field(
         "all_startup",
         description="When /health/ready answers 200: every startup model is ready (all_startup), or at "

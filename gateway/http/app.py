@@ -35,6 +35,8 @@ from gateway.http import (
     tokenize_routes,
 )
 from gateway.http.auth import Authenticator
+from gateway.http.browser_guard import BrowserGuard
+from gateway.http.json_body import JsonRequest
 from gateway.http.request_log import begin_request, end_request, finish_request
 from gateway.observability.metrics import GatewayMetrics, count_response
 from gateway.reloads import Reloads
@@ -59,8 +61,11 @@ def _invalid_body(error: RequestSchemaValidationError) -> InvalidRequest:
     """A body that fails its schema: a 400 naming the first offending field, as OpenAI does."""
     cause = error.validation_error
     if isinstance(cause, ValidationError) and cause.errors():
-        first = cause.errors()[0]
-        param = ".".join(str(p) for p in first["loc"]) or None
+        errors = cause.errors()
+        # A value that fits none of a union's shapes fails once per shape; a bound it broke says
+        # more than "should be a valid string" about a shape it never meant.
+        first = next((e for e in errors if not e["type"].endswith("_type")), errors[0])
+        param = ".".join(str(p) for p in first["loc"] if not _is_union_tag(p)) or None
         message = first["msg"].removeprefix("Value error, ")
         if first["type"] == "model_type" and not first["loc"]:
             message = "the request body must be a JSON object"
@@ -68,8 +73,14 @@ def _invalid_body(error: RequestSchemaValidationError) -> InvalidRequest:
     return InvalidRequest("the request body must be a JSON object")
 
 
+def _is_union_tag(part: object) -> bool:
+    """pydantic names the member of a union in an error's location ("str", "list[int]")."""
+    return isinstance(part, str) and (part in ("str", "int", "float", "bool") or "[" in part)
+
+
 def create_app(registry: Registry) -> Quart:
     app = Quart(__name__, static_folder=None)  # no implicit /static route: pages are served by routes
+    app.request_class = JsonRequest  # bodies parsed once, with what JSON allows but we cannot pass on refused
     app.config["MAX_CONTENT_LENGTH"] = registry.server.max_body_bytes
     app.config["RESPONSE_TIMEOUT"] = None  # streams may legitimately run for many minutes
     app.config["BODY_TIMEOUT"] = 60
@@ -92,6 +103,7 @@ def create_app(registry: Registry) -> Quart:
     app.extensions["reloads"] = Reloads(gateway, authenticator.use_registry)
     # The request id first, so a refused request is logged and answered with one too.
     app.before_request(begin_request)
+    app.before_request(BrowserGuard(registry.server, lambda: authenticator.enabled).before_request)
     app.before_request(authenticator.before_request)
     app.after_request(count_response)
     app.after_request(finish_request)

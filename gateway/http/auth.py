@@ -10,8 +10,10 @@ Rules once any key source is configured (deny by default):
   key; /health, /ping, /version) and /dashboard (a page with no data; its script sends the key)
   needs a key: none or an unknown one -> 401 `invalid_api_key`;
 - /admin/* needs an admin key -> 403 `permission_denied` for an inference key;
-- a model the key may not use answers 404 `model_not_found`, the same answer as a model that does
-  not exist, so a key cannot probe which models are served; /v1/models lists only its models;
+- a model the key may not use answers 404 `model_not_found`, exactly as a model that does not exist
+  (same body, from the same place, before the body is validated), so a key cannot probe which
+  models are served; /v1/models lists only its models;
+- /metrics (every model's figures) needs an admin key, a metrics key or a key for every model;
 - /v1/* counts against the key's `rate_limit_rpm` (token bucket) -> 429 with Retry-After.
 """
 
@@ -191,6 +193,9 @@ class Authenticator:
                 logger.info("%s %s refused: key %r is not an admin key", request.method, path, key.name)
                 raise PermissionDenied("this API key may not use the admin API")
             return
+        if path == "/metrics" and not key.sees_every_model:
+            logger.info("%s %s refused: key %r is scoped to some models", request.method, path, key.name)
+            raise PermissionDenied("/metrics shows every model; it needs an admin key or a metrics key")
         if not any(p.startswith(MODEL_SCOPED_PREFIXES) for p in (path, rule)):
             return
         wait = self.retry_after(key)
@@ -202,13 +207,15 @@ class Authenticator:
                 headers={"Retry-After": str(math.ceil(wait))},
             )
         name = await requested_model()
-        model = self.registry.model(name) if name is not None else None
-        # Unknown names go on to the route, which answers the same 404 for them.
-        if model is not None and not key.allows(model.name):
-            logger.info(
-                "%s %s refused: key %r may not use model %s", request.method, path, key.name, model.name
-            )
-            raise ModelNotFound(name or "")
+        if name is None:
+            return
+        model = self.registry.model(name)
+        # A model that does not exist and one the key may not use get the same 404, here, before
+        # the body is validated: which of the two it was must not show in status, body or timing.
+        if model is None or not key.allows(model.name):
+            logger.info("%s %s refused: key %r may not use model %r", request.method, path, key.name,
+                        name[:100])  # fmt: skip
+            raise ModelNotFound(name)
 
 
 # Routes that name a model, so the key's model scope and rate limit apply to them.

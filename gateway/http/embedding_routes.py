@@ -33,10 +33,14 @@ class EmbeddingRequest(BaseModel):
     model: str = Field(..., min_length=1)
     input: str | list[str] | list[TokenId] | list[list[TokenId]]
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = Field(None, ge=1, description="Refused unless it is the model's own size.")
+    dimensions: int | None = Field(
+        None, ge=1, lt=2**31, description="Refused unless it is the model's own size."
+    )
     user: str | None = None
     timeout: float | None = Field(None, gt=0, description="Per-request deadline in seconds (extension).")
-    truncate_prompt_tokens: int | None = Field(None, description="Refused (vLLM): inputs are never cut.")
+    truncate_prompt_tokens: int | None = Field(
+        None, ge=-1, lt=2**31, description="Refused (vLLM): inputs are never cut."
+    )
 
     def inputs(self) -> tuple[list[str] | None, list[list[int]] | None]:
         value = self.input

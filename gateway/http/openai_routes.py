@@ -56,6 +56,7 @@ async def chat_completions(data: ChatCompletionRequest) -> Any:
                       route.config.tool_call_parser)  # fmt: skip
     options = data.chat_options(plan.tools if plan.active else [])
     messages = [m.to_wire() for m in data.messages]
+    check_generation_count(route, 1, data.n)
     inputs = [ChoiceInput(messages=messages, chat=options)] * data.n
     formatter = ResponseFormatter(
         "chatcmpl-" + uuid.uuid4().hex, data.model, chat=True, tools=plan,
@@ -70,8 +71,10 @@ async def completions(data: CompletionRequest) -> Any:
     if data.suffix:
         raise InvalidRequest("suffix is not supported", param="suffix")
     route = generation_route(data.model)
+    prompts = data.prompts()
+    check_generation_count(route, len(prompts), data.n)
     inputs = []
-    for prompt in data.prompts():
+    for prompt in prompts:
         if isinstance(prompt, str):
             choice = ChoiceInput(prompt=prompt, echo=prompt if data.echo else "")
         else:
@@ -93,6 +96,19 @@ def generation_route(model: str) -> ModelRoute:
             f"model '{route.config.name}' is an embedding model; use /v1/embeddings", param="model"
         )
     return route
+
+
+def check_generation_count(route: ModelRoute, prompts: int, n: int) -> None:
+    """A request's jobs (prompts x n) are admitted together, so they must fit what one replica runs
+    at once (`max_concurrent_jobs`); more could never start."""
+    limit = route.config.limits.max_concurrent_jobs
+    if prompts * n > limit:
+        raise InvalidRequest(
+            f"this request asks for {prompts * n} generations ({prompts} prompt(s) x n={n}); model "
+            f"'{route.config.name}' runs at most {limit} at once (max_concurrent_jobs); "
+            "send fewer prompts per request or a smaller n",
+            param="n" if prompts == 1 else "prompt",
+        )
 
 
 async def _prompt_text(route: ModelRoute, token_ids: list[int]) -> str:

@@ -42,7 +42,7 @@ class ResponsesRequest(BaseModel):
     model: str = Field(..., min_length=1)
     input: str | list[dict[str, Any]]
     instructions: str | None = None
-    max_output_tokens: int | None = Field(None, ge=1)
+    max_output_tokens: int | None = Field(None, ge=1, lt=2**31)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     stream: bool = False
@@ -55,7 +55,7 @@ class ResponsesRequest(BaseModel):
     tool_choice: Any = None
     reasoning: dict[str, Any] | None = None
     include: list[str] | None = None
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
     truncation: str | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None

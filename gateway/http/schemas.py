@@ -25,6 +25,9 @@ MAX_STOP_LENGTH = 256
 MAX_MESSAGES = 4096
 MAX_TOP_LOGPROBS = 20
 MAX_N = 8
+# A prompt list is also bounded by the model's max_concurrent_jobs (prompts x n run together); this
+# refuses a huge list before anything else looks at it.
+MAX_PROMPTS = 256
 MAX_WORD_LISTS = 256
 # Token ids travel as msgpack ints; bound them here so a wild value is a 400, not an encoder error.
 TokenId = Annotated[int, Field(ge=0, lt=2**31)]
@@ -42,10 +45,10 @@ class _Request(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     model: str = Field(..., min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, lt=2**31)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1)
+    top_k: int | None = Field(None, ge=-1, lt=2**31)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     typical_p: float | None = Field(None, gt=0.0, le=1.0)
     repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
@@ -61,7 +64,7 @@ class _Request(BaseModel):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     ignore_eos: bool = False
-    min_tokens: int = Field(0, ge=0)
+    min_tokens: int = Field(0, ge=0, lt=2**31)
     timeout: float | None = Field(None, gt=0, description="Per-request deadline in seconds (extension).")
     response_format: dict[str, Any] | None = Field(
         None, description="text, json_object or json_schema (on /v1/completions an extension)."
@@ -259,7 +262,7 @@ class ToolDefinition(BaseModel):
 
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(..., min_length=1, max_length=MAX_MESSAGES)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1, lt=2**31)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[ToolDefinition] | None = Field(None, max_length=128)
@@ -325,7 +328,7 @@ class ChatCompletionRequest(_Request):
 class CompletionRequest(_Request):
     prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
     # OpenAI's default for legacy completions; 0 with echo scores the prompt only (lm-eval, vLLM).
-    max_tokens: int | None = Field(16, ge=0)
+    max_tokens: int | None = Field(16, ge=0, lt=2**31)
     logprobs: int | None = Field(None, ge=0, le=5)
     echo: bool = False
     suffix: str | None = None
@@ -345,6 +348,8 @@ class CompletionRequest(_Request):
             raise InvalidRequest("prompt must not be empty", param="prompt")
         if all(isinstance(p, int) for p in prompt):
             return [list(prompt)]  # type: ignore[arg-type]
+        if len(prompt) > MAX_PROMPTS:
+            raise InvalidRequest(f"at most {MAX_PROMPTS} prompts per request", param="prompt")
         return list(prompt)  # type: ignore[arg-type]
 
     def prompt_logprobs_count(self) -> int | None:

@@ -177,8 +177,7 @@ class RequestOwner:
         """Place every choice on a replica and wait until its worker accepted it; on any failure
         (refusal, deadline, no replica, client gone) the request is closed and the error raised."""
         try:
-            for choice in self.choices:
-                await self._place(choice)
+            await self._place_all()
         except BaseException as exc:
             self.abort(as_api_error(exc))
             self.close()
@@ -188,42 +187,71 @@ class RequestOwner:
         delay = max(self.deadline - time.monotonic(), 0.0)
         self._deadline_timer = asyncio.get_running_loop().call_later(delay, self._on_deadline)
 
-    async def _place(self, choice: Choice) -> None:
-        route, link = self.route, self.service.link
-        size = choice.input.size_estimate()
-        choice.work = size + choice.params.max_tokens
+    async def _place_all(self) -> None:
+        """Take a slot for every choice at once (never some of them: see ModelRoute.acquire_slots),
+        send each its Generate and wait for every answer. A replica that fails before it accepted
+        its job ends the attempt; the whole request then tries again on the other replicas."""
+        route = self.route
+        sizes = [choice.input.size_estimate() for choice in self.choices]
+        for choice, size in zip(self.choices, sizes, strict=True):
+            choice.work = size + choice.params.max_tokens
         avoid: frozenset[str] = frozenset()
         while True:
             try:
-                replica = await route.acquire(self.deadline, size, choice.work, avoid, stop=self._aborted)
+                replicas = await route.acquire_slots(
+                    self.deadline, [c.work for c in self.choices], sum(sizes), avoid, stop=self._aborted
+                )
             except AdmissionStopped:
                 assert self.error is not None
                 raise self.error from None
-            choice.replica, choice.worker_id, choice.finished = replica, replica.id, False
-            choice.accepted = asyncio.get_running_loop().create_future()
-            link.add_job(choice)
-            generate = wire.Generate(choice.rid, choice.input.prompt, choice.input.prompt_token_ids,
-                                     choice.input.messages, choice.params, choice.input.chat)  # fmt: skip
-            choice.sent = link.send(replica.id, generate)
-            if choice.sent:
-                reply = await self._wait_accepted(choice)
-            else:
-                reply = _NotStarted(
-                    WorkerFailed(f"the worker for model '{route.config.name}' is unreachable")
-                )
-            if isinstance(reply, wire.Accepted):
-                choice.output.prompt_tokens = reply.prompt_tokens
-                set_log_context(worker=replica.id)  # this request's later lines and its access line
+            replies = [
+                self._start(choice, replica) for choice, replica in zip(self.choices, replicas, strict=True)
+            ]
+            failed: set[str] = set()
+            for choice, reply in zip(self.choices, replies, strict=True):
+                answer = await self._wait_accepted(choice) if reply is None else reply
+                if isinstance(answer, wire.Accepted):
+                    choice.output.prompt_tokens = answer.prompt_tokens
+                elif isinstance(answer, wire.Rejected):
+                    choice.end_job(cancel=False)  # the worker holds nothing for it; the others are cancelled
+                    code = answer.code
+                    error_class = ServiceUnavailable if code is RejectCode.SHUTTING_DOWN else InvalidRequest
+                    raise error_class(answer.message, code=code.value, param=answer.param)
+                else:
+                    choice.end_job(cancel=False)
+                    failed.add(choice.worker_id or "")
+                    error = answer.error
+            if not failed:
+                set_log_context(worker=self.choices[0].worker_id)  # this request's later lines
                 return
-            choice.end_job(cancel=False)
-            if isinstance(reply, wire.Rejected):
-                error_class = ServiceUnavailable if reply.code is RejectCode.SHUTTING_DOWN else InvalidRequest
-                raise error_class(reply.message, code=reply.code.value, param=reply.param)
-            # The replica failed before it took the job: another one may, if there is one.
-            avoid |= {replica.id}
+            # Nothing streams yet: end every job of this attempt and place them all again.
+            for choice in self.choices:
+                choice.end_job(cancel=True)
+            avoid |= failed
             if not route.has_other_replica(avoid):
-                raise reply.error
-            logger.info("replica %s failed before starting a job; trying another", replica.id)
+                raise error
+            logger.info("replica %s failed before starting a job; trying another", ", ".join(sorted(failed)))
+
+    def _start(self, choice: Choice, replica: WorkerHandle) -> _NotStarted | None:
+        """Send the choice's Generate to its replica; a _NotStarted at once if it cannot go out."""
+        link = self.service.link
+        if choice.sent:  # a second attempt: a new job id, never confused with the cancelled one
+            choice.rid = uuid.uuid4().hex
+        choice.replica, choice.worker_id, choice.finished = replica, replica.id, False
+        choice.accepted = asyncio.get_running_loop().create_future()
+        link.add_job(choice)
+        generate = wire.Generate(choice.rid, choice.input.prompt, choice.input.prompt_token_ids,
+                                 choice.input.messages, choice.params, choice.input.chat)  # fmt: skip
+        try:
+            frame = wire.encode(generate)
+        except (OverflowError, UnicodeEncodeError, ValueError) as exc:
+            # Schemas bound what they can name; this catches what slipped through, as a 400.
+            logger.warning("a request could not be encoded for its worker: %s", type(exc).__name__)
+            raise InvalidRequest("a value in the request is out of range or is not text") from None
+        choice.sent = link.send_frame(replica.id, frame, is_generate=True)
+        if choice.sent:
+            return None
+        return _NotStarted(WorkerFailed(f"the worker for model '{self.route.config.name}' is unreachable"))
 
     async def _wait_accepted(self, choice: Choice) -> Any:
         assert choice.accepted is not None

@@ -11,11 +11,11 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from gateway.config.registry import ModelConfig, Registry
-from gateway.errors import ModelNotFound, QueueFull, RequestTimeout, ServiceUnavailable
+from gateway.errors import InvalidRequest, ModelNotFound, QueueFull, RequestTimeout, ServiceUnavailable
 from wire.states import MAY_SERVE, WorkerState, model_state
 
 if TYPE_CHECKING:
@@ -28,6 +28,15 @@ class AdmissionStopped(Exception):
     """The request gave up waiting for a slot (its owner aborted it); the owner says why."""
 
 
+class _Waiter:
+    """A request's place in a model's line; `changed` resolves when it should look again."""
+
+    __slots__ = ("changed",)
+
+    def __init__(self) -> None:
+        self.changed: asyncio.Future[None] | None = None
+
+
 class ModelRoute:
     def __init__(self, config: ModelConfig, replicas: list[WorkerHandle], launch: Launcher) -> None:
         self.config = config
@@ -35,10 +44,11 @@ class ModelRoute:
         self._launch = launch
         self.waiting = 0
         self.waiting_prompt_tokens = 0
-        # One future per waiting request, resolved when anything changes. Not a Condition waited on
-        # through asyncio.wait_for: on Python 3.11 that can swallow the waiter's cancellation when a
-        # notify lands at the same moment, and the waiter would then sit out its whole deadline.
-        self._waiters: set[asyncio.Future[None]] = set()
+        # One future per waiting request, in arrival order, resolved when anything changes. Not a
+        # Condition waited on through asyncio.wait_for: on Python 3.11 that can swallow the waiter's
+        # cancellation when a notify lands at the same moment, and the waiter would then sit out
+        # its whole deadline.
+        self._waiters: dict[_Waiter, None] = {}
 
     @property
     def state(self) -> WorkerState:
@@ -50,14 +60,24 @@ class ModelRoute:
         ones in `avoid` can then move to it)."""
         return any(r.id not in avoid and r.state in MAY_SERVE for r in self.replicas)
 
-    def _free_replica(self, avoid: frozenset[str] = frozenset()) -> WorkerHandle | None:
+    def _place_slots(self, works: Sequence[int], avoid: frozenset[str]) -> list[WorkerHandle] | None:
+        """A replica for each slot, least outstanding work first, counting the slots placed so far;
+        None unless every slot fits now."""
         limit = self.config.limits.max_concurrent_jobs
-        candidates = [r for r in self.replicas if r.ready and r.in_flight < limit and r.id not in avoid]
-        if not candidates:
-            return None
-        # Least outstanding work first: tokens still to process (prompt + completion budget) of
-        # the requests it holds, then the count of requests as a tie-break.
-        return min(candidates, key=lambda r: (r.outstanding_tokens, r.in_flight, r.replica))
+        slots = {r.id: r.in_flight for r in self.replicas}
+        load = {r.id: r.outstanding_tokens for r in self.replicas}
+        placed: list[WorkerHandle] = []
+        for work in works:
+            candidates = [r for r in self.replicas if r.ready and r.id not in avoid and slots[r.id] < limit]
+            if not candidates:
+                return None
+            # Least outstanding work first: tokens still to process (prompt + completion budget) of
+            # the requests it holds, then the count of requests as a tie-break.
+            replica = min(candidates, key=lambda r: (load[r.id], slots[r.id], r.replica))
+            slots[replica.id] += 1
+            load[replica.id] += work
+            placed.append(replica)
+        return placed
 
     def any_ready(self) -> WorkerHandle:
         """A ready replica for a quick side request (tokenize) that takes no generation slot."""
@@ -91,10 +111,31 @@ class ModelRoute:
         avoid: frozenset[str] = frozenset(),
         stop: asyncio.Future[Any] | None = None,
     ) -> WorkerHandle:
-        """Take a slot on a replica, waiting in the bounded queue until `deadline` (monotonic), or
-        until `stop` is done (the request was aborted): then AdmissionStopped."""
-        replica = self._free_replica(avoid)
-        if replica is None:
+        """One slot (see `acquire_slots`)."""
+        return (await self.acquire_slots(deadline, [work], prompt_size, avoid, stop))[0]
+
+    async def acquire_slots(
+        self,
+        deadline: float,
+        works: Sequence[int],
+        prompt_size: int = 0,
+        avoid: frozenset[str] = frozenset(),
+        stop: asyncio.Future[Any] | None = None,
+    ) -> list[WorkerHandle]:
+        """One slot per entry of `works` (a request's choices), taken all at once or not at all, so
+        requests with several choices can never hold part of what they need while waiting for the
+        rest (two such requests would wait on each other). Waiters are served in arrival order: a
+        request needing many slots is not passed over forever by later small ones. Waits in the
+        bounded queue until `deadline` (monotonic), or until `stop` is done (the request was
+        aborted): then AdmissionStopped."""
+        limit = self.config.limits.max_concurrent_jobs
+        if len(works) > limit:  # the HTTP layer refuses these first, naming the parameter
+            raise InvalidRequest(
+                f"{len(works)} generations at once are more than model '{self.config.name}' runs "
+                f"(max_concurrent_jobs {limit})"
+            )
+        placed = None if self._waiters else self._place_slots(works, avoid)
+        if placed is None:
             reason = self._unservable_reason()
             if reason:
                 raise ServiceUnavailable(reason)
@@ -108,41 +149,47 @@ class ModelRoute:
                     f"model '{self.config.name}' is at capacity ({self.waiting} queued); retry later",
                     headers={"Retry-After": "1"},
                 )
-            replica = await self._wait_for_replica(deadline, prompt_size, avoid, stop)
-        replica.in_flight += 1
-        replica.outstanding_tokens += work
-        replica.last_used = time.monotonic()
-        return replica
+            placed = await self._wait_for_slots(deadline, works, prompt_size, avoid, stop)
+        now = time.monotonic()
+        for replica, work in zip(placed, works, strict=True):
+            replica.in_flight += 1
+            replica.outstanding_tokens += work
+            replica.last_used = now
+        return placed
 
-    async def _wait_for_replica(
-        self, deadline: float, prompt_size: int, avoid: frozenset[str], stop: asyncio.Future[Any] | None
-    ) -> WorkerHandle:
+    async def _wait_for_slots(
+        self,
+        deadline: float,
+        works: Sequence[int],
+        prompt_size: int,
+        avoid: frozenset[str],
+        stop: asyncio.Future[Any] | None,
+    ) -> list[WorkerHandle]:
         self.waiting += 1
         self.waiting_prompt_tokens += prompt_size
-        loop = asyncio.get_running_loop()
+        me = _Waiter()
+        self._waiters[me] = None  # insertion order is arrival order
         try:
             while True:
                 if stop is not None and stop.done():
                     raise AdmissionStopped()
-                replica = self._free_replica(avoid)
-                if replica is not None:
-                    return replica
+                placed = self._place_slots(works, avoid) if next(iter(self._waiters)) is me else None
+                if placed is not None:
+                    return placed
                 reason = self._unservable_reason()
                 if reason:
                     raise ServiceUnavailable(reason)
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise RequestTimeout("the request timed out while waiting for a free slot")
-                changed = loop.create_future()
-                self._waiters.add(changed)
-                waiting: set[asyncio.Future[Any]] = {changed} if stop is None else {changed, stop}
-                try:
-                    await asyncio.wait(waiting, timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
-                finally:
-                    self._waiters.discard(changed)
+                me.changed = asyncio.get_running_loop().create_future()
+                waiting: set[asyncio.Future[Any]] = {me.changed} if stop is None else {me.changed, stop}
+                await asyncio.wait(waiting, timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
         finally:
+            self._waiters.pop(me, None)
             self.waiting -= 1
             self.waiting_prompt_tokens -= prompt_size
+            self.notify()  # the next in line may go now (or, if this one took slots, look again)
 
     def release(self, replica: WorkerHandle, work: int = 0) -> None:
         replica.in_flight = max(replica.in_flight - 1, 0)
@@ -153,8 +200,8 @@ class ModelRoute:
     def notify(self) -> None:
         """Something changed (a slot freed, a replica's state): every waiter looks again."""
         for waiter in self._waiters:
-            if not waiter.done():
-                waiter.set_result(None)
+            if waiter.changed is not None and not waiter.changed.done():
+                waiter.changed.set_result(None)
 
 
 class Router:

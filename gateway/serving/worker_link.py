@@ -217,17 +217,21 @@ class WorkerLink:
     # ---- sending -----------------------------------------------------------------------------
 
     def send(self, worker_id: str, message: wire.Message) -> bool:
-        if isinstance(message, wire.Generate):
+        return self.send_frame(worker_id, wire.encode(message), isinstance(message, wire.Generate))
+
+    def send_frame(self, worker_id: str, frame: bytes, is_generate: bool = False) -> bool:
+        """Send an encoded message; False when the worker cannot be reached now."""
+        if is_generate:
             self.last_job_sent[worker_id] = time.monotonic()
         try:
             # Local ids live on the ipc socket only; anything else can only be a remote worker.
             local = worker_id in self._local_ids or self._remote_sock is None
             sock = self._sock if local else self._remote_sock
             assert sock is not None
-            sock.send_multipart([worker_id.encode(), wire.encode(message)], zmq.NOBLOCK)
+            sock.send_multipart([worker_id.encode(), frame], zmq.NOBLOCK)
             return True
         except zmq.ZMQError as exc:  # EHOSTUNREACH (worker gone) or EAGAIN (worker not reading)
-            logger.warning("could not send %s to worker %s: %s", type(message).__name__, worker_id, exc)
+            logger.warning("could not send a frame to worker %s: %s", worker_id, exc)
             return False
 
     # ---- jobs and exchanges ------------------------------------------------------------------

@@ -29,6 +29,7 @@ OPS = "ops-0123456789abcdefgh"  # admin
 LIMITED = "limited-0123456789abcd"  # demo-b, 2 requests per minute
 ENV_KEY = "env-0123456789abcdefgh"  # GATEWAY_API_KEYS: every model
 BOB = "bob-0123456789abcdefghi"  # added while the gateway runs
+PROM = "prom-0123456789abcdefgh"  # metrics only
 
 KEYS = f"""
 keys:
@@ -42,6 +43,9 @@ keys:
     key: {LIMITED}
     models: [demo-b]
     rate_limit_rpm: 2
+  - name: prometheus
+    key: {PROM}
+    metrics: true
 """
 
 
@@ -164,7 +168,7 @@ def test_metrics_after_requests(gateway: GatewayProcess) -> None:
     ) as response:
         lines = [line for line in response.iter_lines() if line.startswith("data: ")]
     assert lines[-1] == "data: [DONE]" and json.loads(lines[-2][6:])["usage"]["completion_tokens"] > 0
-    text = get(gateway, "/metrics", bearer(ALICE)).text
+    text = get(gateway, "/metrics", bearer(PROM)).text
     samples: dict[tuple[str, frozenset[tuple[str, str]]], float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
@@ -204,6 +208,54 @@ def test_metrics_after_requests(gateway: GatewayProcess) -> None:
         assert ("gateway_jobs_per_step", frozenset(pair)) in samples
         assert ("gateway_kv_cache_usage_ratio", frozenset(pair)) in samples
     assert value("gateway_inter_token_latency_seconds_count", model="demo-b") >= 1
+
+
+def test_a_scoped_key_cannot_tell_forbidden_models_from_missing_ones(gateway: GatewayProcess) -> None:
+    """The review's oracle: {"model": X} alone answered 404 for a forbidden X and 400 for a missing
+    one. Both now get the same 404 from the same place, in the same time."""
+
+    def ask(model: str) -> tuple[int, dict[str, Any], float]:
+        started = time.perf_counter()
+        response = httpx.post(gateway.url + "/v1/chat/completions", json={"model": model},
+                              headers=bearer(ALICE), timeout=10)  # fmt: skip
+        return response.status_code, response.json(), time.perf_counter() - started
+
+    timings: dict[str, list[float]] = {"demo-b": [], "no-such-model": []}
+    for _ in range(40):  # interleaved, so load on the host weighs on both alike
+        for model, seconds in timings.items():
+            status, body, took = ask(model)
+            assert status == 404, body
+            expected = {"message": f"The model '{model}' does not exist", "type": "invalid_request_error",
+                        "param": "model", "code": "model_not_found"}  # fmt: skip
+            assert body == {"error": expected}
+            seconds.append(took)
+    forbidden, missing = (sorted(v)[len(v) // 2] for v in timings.values())
+    assert abs(forbidden - missing) < 0.3 * min(forbidden, missing) + 0.001, (forbidden, missing)
+    assert ask("demo-a")[0] == 400  # a model it may use goes on to validation (messages missing)
+
+
+def test_metrics_and_readiness_show_a_scoped_key_nothing_beyond_its_models(gateway: GatewayProcess) -> None:
+    refused = get(gateway, "/metrics", bearer(ALICE))
+    assert refused.status_code == 403 and refused.json()["error"]["code"] == "permission_denied"
+    for key in (PROM, OPS, ENV_KEY):  # metrics, admin, and every-model keys see every model
+        assert 'model="demo-b"' in get(gateway, "/metrics", bearer(key)).text
+    assert list(get(gateway, "/health/ready", bearer(ALICE)).json()["models"]) == ["demo-a"]
+    for model in ("demo-b", "no-such-model"):
+        response = get(gateway, f"/health/ready/{model}", bearer(ALICE))
+        assert response.status_code == 404
+        assert response.json()["error"]["message"] == f"The model '{model}' does not exist"
+    assert get(gateway, "/v1/models", bearer(PROM)).json()["data"] == []  # metrics only: no model
+
+
+def test_a_newline_in_the_path_cannot_forge_a_log_line(gateway: GatewayProcess) -> None:
+    forged = "2026-01-01 00:00:00,000 INFO gateway.access: GET /admin/reload 200 FORGED"
+    for path in ("/v1/models", "/admin/workers", "/no-such-route"):  # refused by the key check, or 404
+        response = get(gateway, path + "%0A" + forged.replace(" ", "%20"))
+        assert response.status_code in (401, 404)
+    time.sleep(0.2)
+    lines = gateway.log().splitlines()
+    assert not [line for line in lines if line.startswith("2026-01-01")]
+    assert any("\\n2026-01-01" in line for line in lines)  # the path is logged, escaped
 
 
 def test_non_loopback_bind_without_keys_is_refused(tmp_path: Path, demo_model_dir: Path) -> None:

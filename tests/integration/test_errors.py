@@ -45,8 +45,17 @@ def test_missing_messages_and_bad_json(two_model_gateway: GatewayProcess) -> Non
     assert_error(
         post(two_model_gateway, "/v1/chat/completions", {"model": "demo-small"}), 400, None, "messages"
     )
-    raw = httpx.post(two_model_gateway.url + "/v1/completions", content=b"{not json", timeout=10)
+    json_type = {"content-type": "application/json"}
+    raw = httpx.post(
+        two_model_gateway.url + "/v1/completions", content=b"{not json", headers=json_type, timeout=10
+    )
     assert_error(raw, 400, "invalid_request")
+    # Without a JSON content type the body is not even read: a browser's "simple" cross-origin POST
+    # carries none, or text/plain.
+    untyped = httpx.post(
+        two_model_gateway.url + "/v1/completions", content=b'{"model": "demo-small"}', timeout=10
+    )
+    assert_error(untyped, 415, None)
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -257,9 +257,25 @@ def browser() -> Iterator[Any]:
 
 
 def cell_texts(driver: Any, selector: str) -> list[str]:
-    from selenium.webdriver.common.by import By
+    """The shown text of every match, read in one script run: the page redraws its tables every
+    second, so elements found first and read afterwards may be gone by then (stale)."""
+    script = "return Array.from(document.querySelectorAll(arguments[0]), e => e.innerText.trim());"
+    return list(driver.execute_script(script, selector))
 
-    return [element.text.strip() for element in driver.find_elements(By.CSS_SELECTOR, selector)]
+
+def click(driver: Any, selector: str) -> None:
+    """Click the element, finding it again if a redraw replaced it between finding and clicking."""
+    from selenium.common.exceptions import StaleElementReferenceException
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    def clicked(d: Any) -> bool:
+        d.find_element(By.CSS_SELECTOR, selector).click()
+        return True
+
+    WebDriverWait(driver, 10, poll_frequency=0.1, ignored_exceptions=[StaleElementReferenceException]).until(
+        clicked
+    )
 
 
 def test_dashboard_shows_workers_and_throughput(gateway: GatewayProcess, browser: Any) -> None:
@@ -288,7 +304,7 @@ def test_dashboard_shows_workers_and_throughput(gateway: GatewayProcess, browser
 
     wait.until(rows_ready)
     assert cell_texts(browser, '#models tbody tr[data-model="demo-a"] td.state')[0] == "ready"
-    assert browser.find_element(By.ID, "overall").text == "ready"
+    assert cell_texts(browser, "#overall") == ["ready"]
     assert "cpu" in cell_texts(browser, '#workers tbody tr[data-model="demo-a"] td.gpus')
 
     assert completion(gateway, "dash-1", max_tokens=64, ignore_eos=True).status_code == 200
@@ -309,7 +325,6 @@ def test_dashboard_shows_workers_and_throughput(gateway: GatewayProcess, browser
 def test_dashboard_acts_and_shows_error_rates(gateway: GatewayProcess, browser: Any) -> None:
     """With the admin key (typed in by the test above, kept in the tab), the page unloads, loads and
     reloads, and shows each model's error rate and latency over the last minutes."""
-    from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
 
     browser.get(gateway.url + "/dashboard")
@@ -321,10 +336,10 @@ def test_dashboard_acts_and_shows_error_rates(gateway: GatewayProcess, browser: 
         return texts[0] if texts else ""
 
     wait.until(lambda d: state(d) == "ready")
-    browser.find_element(By.CSS_SELECTOR, f"{row} button.unload").click()
+    click(browser, f"{row} button.unload")
     wait.until(lambda d: d.switch_to.alert).accept()  # "Unload demo-b? ..."
     wait.until(lambda d: state(d) == "unloaded")
-    wait.until(lambda d: "unload demo-b: done (HTTP 200)" in d.find_element(By.ID, "action").text)
+    wait.until(lambda d: "unload demo-b: done (HTTP 200)" in cell_texts(d, "#action")[0])
     assert (
         httpx.get(gateway.url + "/health/ready/demo-b", headers=bearer(USER_KEY), timeout=5).status_code
         == 503
@@ -333,19 +348,22 @@ def test_dashboard_acts_and_shows_error_rates(gateway: GatewayProcess, browser: 
     refused = completion(gateway, "dash-unloaded", model="demo-b")
     assert refused.status_code == 503  # a server-side failure: the error rate shows it
     wait.until(lambda d: cell_texts(d, f"{row} td.error-rate") not in ([], ["—"], ["0.0%"]))
-    assert "bad-rate" in browser.find_element(By.CSS_SELECTOR, f"{row} td.error-rate").get_attribute("class")
+    classes = browser.execute_script(
+        "return document.querySelector(arguments[0]).className;", f"{row} td.error-rate"
+    )
+    assert "bad-rate" in classes
     latency = cell_texts(browser, '#models tbody tr[data-model="demo-a"] td.latency')[0]
     assert re.fullmatch(r"[\d.]+ m?s / [\d.]+ m?s", latency), latency
 
-    browser.find_element(By.CSS_SELECTOR, f"{row} button.load").click()
+    click(browser, f"{row} button.load")
     wait.until(lambda d: state(d) == "ready")
     assert completion(gateway, "dash-back", model="demo-b").status_code == 200
 
-    browser.find_element(By.ID, "reload").click()
+    click(browser, "#reload")
     wait.until(lambda d: d.switch_to.alert).accept()
     wait.until(
         lambda d: re.search(
-            r"reload \d+ applying: added 0, changed 0, removed 0", d.find_element(By.ID, "action").text
+            r"reload \d+ applying: added 0, changed 0, removed 0", cell_texts(d, "#action")[0]
         )
     )
     problems = [e["message"] for e in browser.get_log("browser") if "Uncaught" in e["message"]]

@@ -50,7 +50,7 @@ class Peer:
 
     async def generates(self, count: int, accept: bool = False) -> list[wire.Generate]:
         """The next `count` Generates; with `accept`, each is accepted as it arrives (a request's
-        choices are placed one after the other)."""
+        choices are all sent at once, then their answers awaited)."""
         got: list[wire.Generate] = []
         while len(got) < count:
             message = await self.receive()
@@ -178,14 +178,15 @@ def test_client_disconnect_cancels_every_unfinished_job(tmp_path: Path, when: st
             owner = r.open(n=2)
             handler = asyncio.create_task(consume(owner))
             mid_stream = when == "mid-stream"
-            generates = await r.peers["w0"].generates(2 if mid_stream else 1, accept=mid_stream)
+            generates = await r.peers["w0"].generates(2, accept=mid_stream)
             if mid_stream:
                 await r.peers["w0"].send(wire.Step([output(generates[0].rid, "x", FinishReason.STOP)]))
                 await asyncio.sleep(0.1)
             handler.cancel()  # what Quart does when the client goes away
             with pytest.raises(asyncio.CancelledError):
                 await handler
-            expected = {generates[-1].rid}  # the finished choice needs no Cancel
+            # Mid-stream the finished choice needs no Cancel; waiting, both were sent and are cancelled.
+            expected = {generates[1].rid} if mid_stream else {g.rid for g in generates}
             assert await r.peers["w0"].cancels() == expected
             assert owner.outcome == 499 and r.status() == 499
             r.assert_all_released()
@@ -258,7 +259,7 @@ def test_a_refused_job_is_an_http_error_before_any_stream(tmp_path: Path) -> Non
         async with rig(tmp_path) as r:
             owner = r.open(n=2)
             handler = asyncio.create_task(consume(owner))
-            (generate,) = await r.peers["w0"].generates(1)  # choice 1 waits for choice 0's answer
+            generate, other = await r.peers["w0"].generates(2)  # both choices go out at once
             await r.peers["w0"].send(
                 wire.Rejected(generate.rid, RejectCode.CONTEXT_LENGTH_EXCEEDED, "too long", "messages")
             )
@@ -266,7 +267,7 @@ def test_a_refused_job_is_an_http_error_before_any_stream(tmp_path: Path) -> Non
                 await asyncio.wait_for(handler, 2)
             assert refused.value.code == "context_length_exceeded" and refused.value.param == "messages"
             assert owner.outcome == 400
-            assert await r.peers["w0"].cancels() == set()  # the second choice was never sent
+            assert await r.peers["w0"].cancels() == {other.rid}  # the other choice is called off
             r.assert_all_released()
 
     asyncio.run(scenario())

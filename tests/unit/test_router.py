@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 import pytest
 
 from gateway.config.registry import ModelConfig, ModelLimits, Registry
-from gateway.errors import ModelNotFound, QueueFull, RequestTimeout, ServiceUnavailable
+from gateway.errors import InvalidRequest, ModelNotFound, QueueFull, RequestTimeout, ServiceUnavailable
 from gateway.serving.router import AdmissionStopped, ModelRoute, Router
 from gateway.workers.handle import WorkerHandle
 from wire.states import WorkerState
@@ -198,3 +198,60 @@ def test_a_waiter_leaves_even_when_a_notify_lands_in_the_same_tick(how: str) -> 
         assert route.waiting == 0
 
     run(scenario())
+
+
+def test_a_requests_slots_are_taken_all_at_once_and_waiters_go_in_arrival_order() -> None:
+    """Two requests of four choices on four slots with one slot busy: neither holds part of what it
+    needs while waiting (the deadlock of taking slots one choice at a time), and a later small
+    request does not pass the first in line."""
+    route = route_of(S.READY, max_concurrent_jobs=4)
+
+    async def scenario() -> list[str]:
+        busy = await route.acquire(soon())
+        order: list[str] = []
+
+        async def request(name: str, choices: int) -> list[WorkerHandle]:
+            taken = await route.acquire_slots(soon(), [10] * choices)
+            order.append(name)
+            return taken
+
+        first = asyncio.create_task(request("first n=4", 4))
+        await asyncio.sleep(0.01)
+        second = asyncio.create_task(request("second n=4", 4))
+        small = asyncio.create_task(request("small n=1", 1))
+        await asyncio.sleep(0.05)
+        assert order == [] and sum(r.in_flight for r in route.replicas) == 1  # only `busy` holds one
+        assert route.waiting == 3
+        route.release(busy)
+        taken = await asyncio.wait_for(first, 1)
+        assert [r.id for r in taken] == ["m#0-r0"] * 4
+        await asyncio.sleep(0.05)
+        assert order == ["first n=4"]  # the others wait for all four slots to come back
+        for replica in taken:
+            route.release(replica, 10)
+        for replica in await asyncio.wait_for(second, 1):
+            route.release(replica, 10)
+        await asyncio.wait_for(small, 1)
+        return order
+
+    assert run(scenario()) == ["first n=4", "second n=4", "small n=1"]
+
+
+def test_more_choices_than_a_replica_runs_are_refused_at_once() -> None:
+    route = route_of(S.READY, S.READY, max_concurrent_jobs=2)
+
+    async def scenario() -> None:
+        with pytest.raises(InvalidRequest, match="max_concurrent_jobs 2"):
+            await route.acquire_slots(soon(), [1, 1, 1])
+
+    run(scenario())
+    assert route.waiting == 0
+
+
+def test_choices_spread_over_replicas_when_each_has_room() -> None:
+    route = route_of(S.READY, S.READY, max_concurrent_jobs=2)
+
+    async def scenario() -> list[str]:
+        return [r.id for r in await route.acquire_slots(soon(), [5, 5])]
+
+    assert run(scenario()) == ["m#0-r0", "m#0-r1"]
