@@ -96,7 +96,7 @@ def timeline_plot(
             counts.annotate(label, (at, counts.get_ylim()[1]), fontsize=8, color=_event_colour(label),
                             ha="left", va="top")  # fmt: skip
     else:
-        kinds = sorted({label.split()[0] for _, label in events if label.split()[0] in EVENT_COLOURS})
+        kinds = sorted({_event_kind(label) for _, label in events if _event_kind(label) in EVENT_COLOURS})
         text = ", ".join(f"{kind}s: {EVENT_COLOURS[kind]} dashes" for kind in kinds)
         counts.set_title(text.replace("#cf222e", "red").replace("#0969da", "blue"), fontsize=8, loc="left")
     figure.suptitle(title)
@@ -117,8 +117,13 @@ def _resources_panel(axis: plt.Axes, samples: Sequence[Mapping[str, float]]) -> 
     axis.legend(lines, [str(line.get_label()) for line in lines], loc="lower right")
 
 
+def _event_kind(label: str) -> str:
+    """ "reload: change a" -> "reload"; "kill a" -> "kill"."""
+    return label.split()[0].rstrip(":") if label.strip() else ""
+
+
 def _event_colour(label: str) -> str:
-    return EVENT_COLOURS.get(label.split()[0] if label else "", EVENT_COLOURS["kill"])
+    return EVENT_COLOURS.get(_event_kind(label), EVENT_COLOURS["kill"])
 
 
 def _save(figure: plt.Figure, path: Path) -> Path:

@@ -54,5 +54,8 @@ def test_timeline_plot_with_resources_adds_a_panel(tmp_path: Path) -> None:
     three = plots.timeline_plot(
         rows, "soak", "machine, date", tmp_path / "three.png", events=events, resources=samples
     )
+    # The soak labels its events "kill MODEL" and "reload: WHAT": each kind keeps its own colour.
+    assert plots._event_colour("reload: change a") == plots.EVENT_COLOURS["reload"]
+    assert plots._event_colour("kill a") == plots.EVENT_COLOURS["kill"]
     (width2, height2), (width3, height3) = png_size(two), png_size(three)
     assert height3 > height2 * 1.3 and abs(width3 - width2) < 0.2 * width2  # one more panel below
