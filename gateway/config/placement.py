@@ -44,23 +44,8 @@ def discover_gpus() -> list[Gpu]:
             pynvml.nvmlShutdown()
     except Exception:  # no NVML library, no driver, or no package: try the CLI, then assume none
         logger.debug("NVML unavailable", exc_info=True)
-    if shutil.which("nvidia-smi") is None:
-        return []
-    try:
-        out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=index,name,memory.total", "--format=csv,noheader,nounits"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=True,
-        ).stdout
-    except (OSError, subprocess.SubprocessError):
-        return []
-    gpus = []
-    for line in out.strip().splitlines():
-        index_text, name, mib = (part.strip() for part in line.split(","))
-        gpus.append(Gpu(int(index_text), name, int(float(mib)) * 1024**2))
-    return gpus
+    rows = nvidia_smi_rows("index,name,memory.total")
+    return [Gpu(int(index), name, int(float(mib)) * 1024**2) for index, name, mib in rows or []]
 
 
 def free_memory_bytes(indices: list[int]) -> dict[int, int] | None:
@@ -79,24 +64,25 @@ def free_memory_bytes(indices: list[int]) -> dict[int, int] | None:
             pynvml.nvmlShutdown()
     except Exception:
         logger.debug("NVML unavailable", exc_info=True)
+    rows = nvidia_smi_rows("index,memory.free")
+    if rows is None:
+        return None
+    return {int(index): int(float(mib)) * 1024**2 for index, mib in rows if int(index) in indices}
+
+
+def nvidia_smi_rows(fields: str) -> list[list[str]] | None:
+    """`nvidia-smi --query-gpu=FIELDS` as rows of stripped values, one per GPU; None when the CLI is
+    missing or fails."""
     if shutil.which("nvidia-smi") is None:
         return None
     try:
         out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=index,memory.free", "--format=csv,noheader,nounits"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=True,
-        ).stdout
+            ["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader,nounits"],
+            capture_output=True, text=True, timeout=10, check=True,
+        ).stdout  # fmt: skip
     except (OSError, subprocess.SubprocessError):
         return None
-    free = {}
-    for line in out.strip().splitlines():
-        index_text, mib = (part.strip() for part in line.split(","))
-        if int(index_text) in indices:
-            free[int(index_text)] = int(float(mib)) * 1024**2
-    return free
+    return [[part.strip() for part in line.split(",")] for line in out.strip().splitlines()]
 
 
 def memory_shortfall(model: ModelConfig, gpus: list[int], free: dict[int, int]) -> str | None:

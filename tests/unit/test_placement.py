@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
 
-from gateway.config.placement import GIB, Gpu, check_placement
+import pytest
+
+from gateway.config.placement import GIB, Gpu, check_placement, discover_gpus, free_memory_bytes
 from gateway.config.registry import parse_registry
 from tests.harness import REPO_ROOT
 
@@ -64,3 +67,28 @@ def test_serve_refuses_a_gpu_this_host_lacks(tmp_path: Path, demo_model_dir: Pat
     assert result.returncode == 2
     assert "model 'm': gpus [7]" in result.stderr and "GPU 7 does not exist" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_without_nvml_the_gpus_are_read_from_nvidia_smi(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """This host has neither NVML nor a GPU: a stand-in `nvidia-smi` on PATH answers the two
+    queries the gateway makes, in the CLI's own CSV format."""
+    script = tmp_path / "nvidia-smi"
+    script.write_text(
+        "#!/bin/sh\n"
+        'case "$1" in\n'
+        '  --query-gpu=index,name,memory.total) printf "0, GPU A, 143771\\n1, GPU B, 80\\n" ;;\n'
+        '  --query-gpu=index,memory.free) printf "0, 1024\\n1, 2048.0\\n" ;;\n'
+        "  *) exit 3 ;;\n"
+        "esac\n"
+    )
+    script.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    assert discover_gpus() == [
+        Gpu(0, "GPU A", 143771 * 1024**2),
+        Gpu(1, "GPU B", 80 * 1024**2),
+    ]
+    assert free_memory_bytes([1]) == {1: 2048 * 1024**2}
+    script.write_text("#!/bin/sh\nexit 9\n")  # a failing CLI reads as no information
+    assert discover_gpus() == [] and free_memory_bytes([0]) is None
