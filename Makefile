@@ -9,16 +9,47 @@ CONFIG ?= config/models.yaml
 TORCH ?= torch==2.13.0
 DEMO_DIR ?= demo-models
 
-.PHONY: install serve test lint demo-models bench clean
+LOCK ?= requirements.lock
+UV ?= uv==0.13.9
+LATEST_VENV ?= .venv-latest
+# What the lock is resolved for: the development and CI machines (CPython 3.11, Linux x86_64, CPU torch).
+LOCK_TARGET := --python-version 3.11 --python-platform x86_64-manylinux_2_28
+TORCH_CPU_LOCAL := torch==2.13.0+cpu
+FIND_LINKS ?= $(or $(PIP_FIND_LINKS),/opt/wheels)
+
+.PHONY: install serve test test-latest lint lock check-lock demo-models bench clean
 
 install: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml
+# Every package comes from the lock, exactly, with its hash; torch (the pinned CPU build) first and
+# without its dependencies, which the lock pins too. `pip check` proves the set is whole.
+$(VENV)/.installed: pyproject.toml $(LOCK)
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q "$(TORCH)"
-	$(BIN)/python -m pip install -q -e '.[test]'
+	$(BIN)/python -m pip install -q --upgrade "pip>=24"
+	$(BIN)/python -m pip install -q --no-deps "$(TORCH)"
+	$(BIN)/python -m pip install -q --no-deps --require-hashes -r $(LOCK)
+	$(BIN)/python -m pip install -q --no-deps --no-build-isolation -e .
+	$(BIN)/python -m pip check
 	touch $@
+
+# Regenerates the locks from pyproject.toml with uv: the development lock (with hashes) and the two
+# image lists in deploy/. The CPU torch's own metadata decides torch's dependencies (no CUDA wheels).
+lock:
+	@command -v uv >/dev/null || $(PYTHON) -m pip install -q "$(UV)"
+	echo "$(TORCH_CPU_LOCAL)" > .torch-override.txt
+	uv pip compile pyproject.toml --extra test --extra bench $(LOCK_TARGET) --generate-hashes \
+	    --find-links $(FIND_LINKS) --override .torch-override.txt --no-emit-package torch \
+	    --custom-compile-command "make lock" -o $(LOCK)
+	uv pip compile pyproject.toml $(LOCK_TARGET) --find-links $(FIND_LINKS) --override .torch-override.txt \
+	    --custom-compile-command "make lock" --no-annotate -o deploy/requirements-cpu.txt
+	echo "torch==2.8.0" > .torch-override.txt
+	uv pip compile pyproject.toml --extra gpu --python-version 3.12 --python-platform x86_64-manylinux_2_28 \
+	    --override .torch-override.txt --custom-compile-command "make lock" --no-annotate \
+	    -o deploy/requirements-gpu.txt
+	rm -f .torch-override.txt
+
+check-lock:
+	@$(PYTHON) scripts/check_lock.py --pyproject pyproject.toml --lock $(LOCK)
 
 demo-models: install
 	@test -f $(DEMO_DIR)/demo-small/model.safetensors || $(BIN)/gateway make-demo-model $(DEMO_DIR)/demo-small --preset small --seed 0
@@ -30,16 +61,26 @@ demo-models: install
 serve: install demo-models
 	exec $(BIN)/gateway serve --config $(CONFIG) --host $(HOST) --port $(PORT)
 
-test: install
+test: check-lock install
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 
+# The newest versions pyproject.toml allows, in a separate environment: finds tomorrow's break today.
+test-latest:
+	rm -rf $(LATEST_VENV)
+	$(PYTHON) -m venv $(LATEST_VENV)
+	$(LATEST_VENV)/bin/python -m pip install -q --upgrade pip
+	$(LATEST_VENV)/bin/python -m pip install -q "$(TORCH)"
+	$(LATEST_VENV)/bin/python -m pip install -q --upgrade --upgrade-strategy eager -e '.[test,bench]'
+	$(LATEST_VENV)/bin/python -m pip list --format=freeze > $(LATEST_VENV)/versions.txt
+	$(LATEST_VENV)/bin/python -m pytest -q -p no:cacheprovider
+
 lint: install
-	$(BIN)/ruff check gateway model_worker wire tests bench
-	$(BIN)/ruff format --check gateway model_worker wire tests bench
+	$(BIN)/ruff check gateway model_worker wire tests bench scripts
+	$(BIN)/ruff format --check gateway model_worker wire tests bench scripts
 	$(BIN)/mypy gateway model_worker wire
 
 bench: install demo-models
 	$(BIN)/python bench/bench_gateway_cpu.py
 
 clean:
-	rm -rf $(VENV) $(DEMO_DIR) *.egg-info
+	rm -rf $(VENV) $(LATEST_VENV) $(DEMO_DIR) *.egg-info

@@ -95,4 +95,4 @@ async def run_server(registry: Registry, host: str, port: int) -> None:
         await _drain(gateway, registry.server.shutdown_grace_s)
 
     logger.info("listening on http://%s:%d", host, port)
-    await serve(app, config, shutdown_trigger=shutdown_trigger)  # type: ignore[arg-type]
+    await serve(app, config, shutdown_trigger=shutdown_trigger)

@@ -36,7 +36,7 @@ from wire.results import RejectCode
 try:  # the regular-expression parser of the standard library (sre_parse before Python 3.11)
     from re import _parser as sre_parse  # type: ignore[attr-defined]
 except ImportError:  # pragma: no cover - Python 3.10
-    import sre_parse  # type: ignore[no-redef]
+    import sre_parse
 
 logger = logging.getLogger(__name__)
 _UNBOUNDED = sre_parse.MAXREPEAT

@@ -108,7 +108,7 @@ class JobDesk:
             if params.prompt_logprobs is not None:
                 # Its own pass over the prompt, before the job: scoring requests (max_tokens 0 or 1)
                 # pay one extra prefill, and no engine's generation path changes.
-                scored = self.engine.prompt_logprobs(prompt_ids, params.prompt_logprobs)  # type: ignore[attr-defined]
+                scored = self.engine.prompt_logprobs(prompt_ids, params.prompt_logprobs)
             if params.max_tokens > 0:
                 self.engine.submit(msg.rid, prompt_ids, params)
         except RequestRejected as exc:

@@ -8,6 +8,8 @@ so one worker serves healthy and faulty requests side by side:
   <<hang>>      step() blocks for an hour (no steps, no heartbeats)
   <<stall>>     step() keeps returning nothing while jobs are active (wedged generator)
   <<slow>>      each step sleeps FAULT_SLOW_STEP_S (default 0.05 s)
+  <<warn>>      a library warns (torch's deprecated set_default_tensor_type, with no effect) and so
+                does the engine, with a two-line message, as the job is submitted
 Environment: FAULT_LOAD_DELAY_S delays load(); FAULT_CRASH_ON_LOAD=1 makes load() fail;
 FAULT_WARMUP_STEP_S slows each warm-up step.
 """
@@ -17,6 +19,9 @@ from __future__ import annotations
 import os
 import signal
 import time
+import warnings
+
+import torch
 
 from model_worker.engines.base import ProgressCallback
 from model_worker.engines.transformers.engine import TransformersEngine
@@ -25,6 +30,7 @@ from wire.params import SamplingParams
 from wire.results import JobOutput
 
 MARKERS = ("crash", "segfault", "hang", "stall", "slow")
+WARNING_MARKER = "<<warn>>"
 FAULT_AFTER_STEPS = 10  # late enough that Accepted has left the process
 
 
@@ -47,6 +53,11 @@ class FaultyEngine(TransformersEngine):
 
     def submit(self, rid: str, prompt_ids: list[int], params: SamplingParams) -> None:
         text = self.decode(prompt_ids)
+        if WARNING_MARKER in text:
+            with warnings.catch_warnings():
+                warnings.simplefilter("always")
+                torch.set_default_tensor_type(torch.FloatTensor)  # the default already: only its warning
+                warnings.warn("injected warning\nsecond line", FutureWarning, stacklevel=1)
         for marker in MARKERS:
             if f"<<{marker}>>" in text:
                 self._faults[rid] = marker

@@ -3,8 +3,9 @@
 Runs in the gateway process and in every worker process; each sets up its own root logger once,
 at start-up, through `install`. Owns the two formatters and the choice between them
 (`--log-format`, else $LOG_FORMAT, else text; workers inherit the gateway's environment, so both
-sides agree). Context fields (request_id, model, worker) are record attributes that a
-process-specific `logging.Filter` fills in; a field that is not known is left out of the line.
+sides agree), and the capture of Python warnings into the same lines. Context fields (request_id,
+model, worker) are record attributes that a process-specific `logging.Filter` fills in; a field that
+is not known is left out of the line.
 """
 
 from __future__ import annotations
@@ -122,4 +123,7 @@ def install(
         root.removeHandler(old)
     root.addHandler(handler)
     root.setLevel(level.upper())
+    # A library's warning (warnings.warn) becomes a record of the `py.warnings` logger, so it is one
+    # line in this format (its source line escaped within it), never raw text on stderr.
+    logging.captureWarnings(True)
     return handler

@@ -75,7 +75,7 @@ def _progress_class(report: Progress) -> type[Any]:
     """A tqdm class for huggingface_hub that reports its file count instead of drawing a bar."""
     from tqdm.auto import tqdm
 
-    class Reporting(tqdm):  # type: ignore[misc, valid-type]
+    class Reporting(tqdm):
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             # Byte bars (unit "B", totals often unknown) are left out: the file count is the progress.
             self.counts_files = kwargs.get("unit", "it") != "B"

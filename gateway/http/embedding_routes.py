@@ -54,7 +54,7 @@ class EmbeddingRequest(BaseModel):
             return list(value), None  # type: ignore[arg-type]
         if all(isinstance(v, int) for v in value):
             return None, [list(value)]  # type: ignore[arg-type]
-        return None, [list(v) for v in value]  # type: ignore[arg-type, union-attr]
+        return None, [list(v) for v in value]  # type: ignore[arg-type]
 
 
 def _encode(vector: list[float], encoding: str) -> list[float] | str:

@@ -373,7 +373,7 @@ def _exllamav2_filter_class() -> type:
     from exllamav2.generator.filters import ExLlamaV2Filter
     from lmformatenforcer.integrations.exllamav2 import ExLlamaV2TokenEnforcerFilter
 
-    class TokenEnforcerFilter(ExLlamaV2TokenEnforcerFilter, ExLlamaV2Filter):  # type: ignore[misc]
+    class TokenEnforcerFilter(ExLlamaV2TokenEnforcerFilter, ExLlamaV2Filter):
         def __init__(self, parser: Any, tokenizer_data: Any) -> None:
             # The enforcer filter never uses model or tokenizer; the base class only stores them.
             ExLlamaV2Filter.__init__(self, None, None)

@@ -25,6 +25,7 @@ from tests.integration.conftest import demo_entry, write_registry
 USER_KEY = "user-0123456789abcdefgh"
 ADMIN_KEY = "admin-0123456789abcdefg"
 MODELS = ("demo-a", "demo-b")
+FAULTY = "test:tests.fault_engines.FaultyEngine"
 CHROMEDRIVER = "/usr/bin/chromedriver"
 CHROME_ARGS = (
     "--headless=new",
@@ -44,13 +45,16 @@ def bearer(key: str) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def gateway(tmp_path_factory: pytest.TempPathFactory, demo_model_dir: Path) -> Iterator[GatewayProcess]:
     config = write_registry(
-        tmp_path_factory.mktemp("logs") / "models.yaml", [demo_entry(name, demo_model_dir) for name in MODELS]
+        tmp_path_factory.mktemp("logs") / "models.yaml",
+        # demo-b runs the fault engine, which makes libraries warn on cue (<<warn>>).
+        [demo_entry("demo-a", demo_model_dir), demo_entry("demo-b", demo_model_dir, engine=FAULTY)],
     )
     env = {
         "LOG_FORMAT": "json",
         "LOG_LEVEL": "INFO",
         "GATEWAY_API_KEYS": USER_KEY,
         "GATEWAY_ADMIN_KEYS": ADMIN_KEY,
+        "GATEWAY_ALLOW_TEST_ENGINES": "1",
     }
     with GatewayProcess(config, env=env, wait_ready=False) as gw:
         deadline = time.monotonic() + 120
@@ -224,6 +228,18 @@ def test_workers_log_json_with_their_id(gateway: GatewayProcess) -> None:
             if e["logger"] == "gateway.observability.logging_setup" and e.get("worker", "").startswith(name)
         ]
         assert 1 <= len(progress) <= 11 and all(e["level"] == "INFO" for e in progress)
+
+
+def test_library_warnings_in_a_worker_are_json_log_lines(gateway: GatewayProcess) -> None:
+    reply = completion(gateway, model="demo-b", prompt="<<warn>> hello", max_tokens=2)
+    assert reply.status_code == 200, reply.text
+    # log_entries fails on any line that is not JSON, the warnings' source lines included.
+    torch_warning = wait_for_entry(
+        gateway, lambda e: e["logger"] == "py.warnings" and "set_default_tensor_type" in e["message"]
+    )
+    assert torch_warning["level"] == "WARNING" and torch_warning["worker"].startswith("demo-b#")
+    injected = wait_for_entry(gateway, lambda e: "injected warning" in e["message"])
+    assert "second line" in injected["message"] and injected["logger"] == "py.warnings"
 
 
 # ---- the status page ----------------------------------------------------------------------------

@@ -10,6 +10,7 @@ hosts, CI and architectures exllamav2 lacks, not the fast path.
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import logging
 import time
 from collections import OrderedDict
@@ -75,6 +76,7 @@ class TransformersEngine:
         self._model: Any = None
         self._tokenizer: Any = None
         self._device = torch.device("cpu")
+        self._cache_kwarg = "past_key_values"
         self._vocab_size = 0
         self._end_ids: set[int] = set()
         self._json_data: Any = None  # lm-format-enforcer's tokenizer data, built for the first JSON job
@@ -109,6 +111,7 @@ class TransformersEngine:
             placement["device_map"] = str(self._device)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **placement)
         self._model = model.to(self._device).eval()  # type: ignore[arg-type]
+        self._cache_kwarg = cache_keyword(type(self._model))
         progress("loading weights", 0.9)
         self._vocab_size = self._model.get_input_embeddings().num_embeddings
         self._end_ids = set()
@@ -130,7 +133,7 @@ class TransformersEngine:
         # CPU float16 matmuls are emulated and very slow; float32 is faster and exact enough.
         if self._device.type == "cpu" and dtype == torch.float16:
             return torch.float32
-        return dtype  # type: ignore[no-any-return]
+        return dtype
 
     def close(self) -> None:
         self._queue.clear()
@@ -234,7 +237,7 @@ class TransformersEngine:
                 input_ids = torch.tensor([prompt_ids[start:end]], dtype=torch.long, device=self._device)
                 positions = torch.arange(start, end, device=self._device).unsqueeze(0)
                 out = self._model(
-                    input_ids=input_ids, position_ids=positions, past_key_values=cache, use_cache=True
+                    input_ids=input_ids, position_ids=positions, use_cache=True, **{self._cache_kwarg: cache}
                 )
                 logprobs = torch.log_softmax(out.logits[0].float(), dim=-1)
                 entries += score_rows(logprobs, prompt_ids[start + 1 : end + 1], top, self._texts)
@@ -313,9 +316,9 @@ class TransformersEngine:
         out = self._model(
             input_ids=input_ids,
             position_ids=positions,
-            past_key_values=job.cache,
             use_cache=True,
             logits_to_keep=1,
+            **{self._cache_kwarg: job.cache},
         )
         logits: torch.Tensor = out.logits[:, -1, :].float()
         return logits
@@ -401,3 +404,11 @@ class TransformersEngine:
             values, indices = torch.topk(logprobs, min(top, logprobs.shape[-1]))
             alternatives = list(zip(indices.tolist(), values.tolist(), strict=True))
         return self._texts.entry(token, float(logprobs[token]), alternatives)
+
+
+def cache_keyword(model_class: type[torch.nn.Module]) -> str:
+    """The name under which this model's forward takes its KV cache: transformers 5.24 renamed
+    `past_key_values` to `cache` (the old name warns, and goes in 5.40); older releases know only
+    the old one."""
+    parameters = inspect.signature(model_class.forward).parameters
+    return "cache" if "cache" in parameters else "past_key_values"

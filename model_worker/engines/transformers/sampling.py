@@ -40,7 +40,7 @@ class OpenAIPenaltyProcessor(LogitsProcessor):
         self.frequency = frequency
         self.presence = presence
 
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.Tensor:  # type: ignore[override]
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.Tensor:
         generated = input_ids[0, self.prompt_len :]
         if generated.numel() == 0:
             return scores
@@ -57,7 +57,7 @@ class LogitBiasProcessor(LogitsProcessor):
         for token_id, value in bias.items():
             self.bias[token_id] = float(value)
 
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.Tensor:  # type: ignore[override]
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.Tensor:
         return scores + self.bias[: scores.shape[-1]].unsqueeze(0)
 
 
@@ -68,7 +68,7 @@ class AllowedTokensProcessor(LogitsProcessor):
         self.mask = torch.full((vocab_size,), float("-inf"), dtype=torch.float32, device=device)
         self.mask[torch.tensor(allowed, dtype=torch.long, device=device)] = 0.0
 
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.Tensor:  # type: ignore[override]
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.Tensor:
         return scores + self.mask[: scores.shape[-1]].unsqueeze(0)
 
 
