@@ -11,6 +11,8 @@ Keys file:
         key_sha256: 5e88...            # or `key: <the key>` (then keep the file mode 600)
         models: [demo-small]           # names or aliases; "*" for every model
         rate_limit_rpm: 60             # optional, requests per minute on /v1/*
+        budget_tokens_per_day: 200000  # optional, prompt + completion tokens per UTC day (also _per_month)
+        priority: low                  # optional: high, normal (default) or low in the model queues
       - name: ops
         key_sha256: 9f86...
         admin: true                    # may use /admin/*; models as listed (none here)
@@ -31,7 +33,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import (
@@ -53,6 +55,8 @@ MIN_KEY_LENGTH = 16
 ENV_INFERENCE_KEYS = "GATEWAY_API_KEYS"
 ENV_ADMIN_KEYS = "GATEWAY_ADMIN_KEYS"
 API_KEY_VARIABLES = frozenset({ENV_INFERENCE_KEYS, ENV_ADMIN_KEYS})
+# A request's class in a model's queue (gateway.serving.router serves higher classes first).
+Priority = Literal["high", "normal", "low"]
 
 
 # ---- the keys file ------------------------------------------------------------------------------
@@ -68,6 +72,17 @@ class KeyEntry(BaseModel):
     admin: bool = Field(False, description="May use /admin/*.")
     metrics: bool = Field(False, description="May read /metrics (every model's figures).")
     rate_limit_rpm: int | None = Field(None, ge=1, description="Requests per minute on /v1/*.")
+    budget_tokens_per_day: int | None = Field(
+        None, ge=1, description="Prompt plus completion tokens per UTC day; beyond it requests get 429."
+    )
+    budget_tokens_per_month: int | None = Field(
+        None, ge=1, description="Prompt plus completion tokens per UTC month; beyond it requests get 429."
+    )
+    priority: Priority = Field(
+        "normal",
+        description="The key's class in the model queues: high, normal or low. A request may lower its "
+        "own class with the X-Priority header, never raise it above its key's.",
+    )
 
     @field_validator("key")
     @classmethod
@@ -99,6 +114,14 @@ class ApiKey:
     admin: bool = False
     rate_limit_rpm: int | None = None
     metrics: bool = False
+    budget_tokens_per_day: int | None = None
+    budget_tokens_per_month: int | None = None
+    priority: Priority = "normal"
+
+    @property
+    def budgets(self) -> dict[str, int | None]:
+        """Token budgets by period ("day", "month"); None where the key has none."""
+        return {"day": self.budget_tokens_per_day, "month": self.budget_tokens_per_month}
 
     def allows(self, model: str) -> bool:
         return self.models is None or model in self.models
@@ -160,7 +183,19 @@ def parse_keys_file(path: Path, registry: Registry) -> list[ApiKey]:
         else:
             digest = bytes.fromhex(entry.key_sha256 or "")
         scope = None if "*" in models else frozenset(models)
-        keys.append(ApiKey(entry.name, digest, scope, entry.admin, entry.rate_limit_rpm, entry.metrics))
+        keys.append(
+            ApiKey(
+                entry.name,
+                digest,
+                scope,
+                entry.admin,
+                entry.rate_limit_rpm,
+                entry.metrics,
+                entry.budget_tokens_per_day,
+                entry.budget_tokens_per_month,
+                entry.priority,
+            )
+        )
     return keys
 
 

@@ -62,6 +62,12 @@ class ModelLimits(_Strict):
     max_queued_prompt_tokens: int = Field(1_000_000, ge=0, description="Prompt tokens waiting, summed.")
     request_timeout_s: float = Field(600.0, gt=0, description="Deadline for one request, queueing included.")
     full_queue_status: Literal[429, 503] = Field(429, description="HTTP status when the queue is full.")
+    priority_aging_s: float = Field(
+        10.0,
+        gt=0,
+        description="A request waiting in the queue moves up one priority class (low, normal, high) for "
+        "every this many seconds it has waited, so higher classes go first but never starve lower ones.",
+    )
     max_constraint_states: int = Field(
         4096,
         ge=16,

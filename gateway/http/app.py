@@ -39,6 +39,7 @@ from gateway.http.browser_guard import BrowserGuard
 from gateway.http.json_body import JsonRequest
 from gateway.http.request_log import begin_request, end_request, finish_request
 from gateway.observability.metrics import GatewayMetrics, count_response
+from gateway.observability.usage import UsageLedger
 from gateway.reloads import Reloads
 
 logger = logging.getLogger(__name__)
@@ -94,12 +95,13 @@ def create_app(registry: Registry) -> Quart:
         scalar_ui_path=None,
     )
     # Keys first: a broken keys file stops startup before a runtime folder or socket exists.
-    authenticator = Authenticator(registry)
+    usage = UsageLedger()
+    authenticator = Authenticator(registry, usage=usage)
     runtime_dir = make_runtime_dir(registry)
     gateway = Gateway.build(registry, runtime_dir)
     app.extensions["gateway"] = gateway
     app.extensions["auth"] = authenticator
-    app.extensions["metrics"] = GatewayMetrics(gateway)
+    app.extensions["metrics"] = GatewayMetrics(gateway, usage)
     app.extensions["reloads"] = Reloads(gateway, authenticator.use_registry)
     # The request id first, so a refused request is logged and answered with one too.
     app.before_request(begin_request)

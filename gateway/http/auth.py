@@ -14,7 +14,11 @@ Rules once any key source is configured (deny by default):
   (same body, from the same place, before the body is validated), so a key cannot probe which
   models are served; /v1/models lists only its models;
 - /metrics (every model's figures) needs an admin key, a metrics key or a key for every model;
-- /v1/* counts against the key's `rate_limit_rpm` (token bucket) -> 429 with Retry-After.
+- /v1/* counts against the key's `rate_limit_rpm` (token bucket) -> 429 with Retry-After;
+- a key whose token budget for the UTC day or month is used up (gateway.observability.usage) -> 429
+  `insufficient_quota` with Retry-After until the period turns;
+- the request's priority class (gateway.serving.priority) is its X-Priority header, capped at its
+  key's `priority`.
 """
 
 from __future__ import annotations
@@ -39,7 +43,9 @@ from gateway.config.api_keys import (
     warn_if_readable,
 )
 from gateway.config.registry import ConfigError, Registry
-from gateway.errors import AuthenticationFailed, ModelNotFound, PermissionDenied, QueueFull
+from gateway.errors import AuthenticationFailed, InvalidRequest, ModelNotFound, PermissionDenied, QueueFull
+from gateway.observability.usage import UsageLedger
+from gateway.serving import priority
 
 logger = logging.getLogger(__name__)
 
@@ -80,8 +86,10 @@ class Authenticator:
         registry: Registry,
         environ: Mapping[str, str] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        usage: UsageLedger | None = None,
     ) -> None:
         self.registry = registry
+        self.usage = usage if usage is not None else UsageLedger()
         self.path = keys_file_path(registry)
         self._env_keys = env_keys(os.environ if environ is None else environ)
         self._clock = clock
@@ -174,6 +182,7 @@ class Authenticator:
             return
         self.maybe_reload()
         if not self.enabled:
+            apply_priority(None)
             return
         presented = presented_key(request.headers)
         if presented is None:
@@ -198,6 +207,7 @@ class Authenticator:
             raise PermissionDenied("/metrics shows every model; it needs an admin key or a metrics key")
         if not any(p.startswith(MODEL_SCOPED_PREFIXES) for p in (path, rule)):
             return
+        apply_priority(key)
         wait = self.retry_after(key)
         if wait > 0:
             logger.info("%s %s refused: key %r is over its rate limit", request.method, path, key.name)
@@ -205,6 +215,16 @@ class Authenticator:
                 f"rate limit of {key.rate_limit_rpm} requests per minute reached for this API key",
                 code="rate_limit_exceeded",
                 headers={"Retry-After": str(math.ceil(wait))},
+            )
+        spent = self.usage.spent(key.name, key.budgets)
+        if spent is not None:
+            logger.info(
+                "%s %s refused: key %r is over its %s budget", request.method, path, key.name, spent.period
+            )
+            raise QueueFull(
+                spent.message(),
+                code="insufficient_quota",
+                headers={"Retry-After": str(self.usage.retry_after_s(spent))},
             )
         name = await requested_model()
         if name is None:
@@ -220,6 +240,18 @@ class Authenticator:
 
 # Routes that name a model, so the key's model scope and rate limit apply to them.
 MODEL_SCOPED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/tokenizer_info")
+
+
+def apply_priority(key: ApiKey | None) -> None:
+    """The request's class in the model queues: X-Priority, capped at its key's class (any class
+    without keys). A header that names no class is a 400 naming it."""
+    requested = request.headers.get(priority.HEADER)
+    chosen = priority.allowed_priority(requested, key.priority if key is not None else priority.CLASSES[0])
+    if chosen is None:
+        raise InvalidRequest(
+            f"{priority.HEADER} must be one of {', '.join(priority.CLASSES)}", param=priority.HEADER
+        )
+    priority.set_request_priority(chosen)
 
 
 def presented_key(headers: Headers) -> str | None:

@@ -28,6 +28,7 @@ from quart import Response, current_app, g, request
 from werkzeug.exceptions import HTTPException
 
 from gateway.errors import ClientClosed
+from gateway.observability.usage import UsageLedger
 from wire.results import JobOutput
 from wire.states import WorkerState
 
@@ -45,9 +46,13 @@ RECENT_WINDOW_S = 300.0
 RECENT_MAX = 2000  # per model: the window's figures come from at most this many requests
 
 
+ANONYMOUS = "anonymous"  # the key label of requests on a gateway without keys (or refused for lack of one)
+
+
 class GatewayMetrics:
-    def __init__(self, gateway: Gateway) -> None:
+    def __init__(self, gateway: Gateway, usage: UsageLedger | None = None) -> None:
         self.registry = CollectorRegistry()
+        self.usage = usage if usage is not None else UsageLedger()
         r = self.registry
         self.requests = Counter(
             "gateway_requests",
@@ -111,6 +116,19 @@ class GatewayMetrics:
             buckets=_PHASE_BUCKETS,
             registry=r,
         )
+        # Per API key (its configured name, never the secret): few series, one per key and model.
+        self.key_requests = Counter(
+            "gateway_key_requests",
+            "Requests by API key name, model and final status.",
+            ["key", "model", "status"],
+            registry=r,
+        )
+        self.key_tokens = Counter(
+            "gateway_key_tokens",
+            "Tokens by API key name and model; kind is prompt or completion.",
+            ["key", "model", "kind"],
+            registry=r,
+        )
         self.recent = RecentRequests()
         r.register(WorkerCollector(gateway))
         # process_cpu_seconds_total, process_resident_memory_bytes, open fds...: the gateway process.
@@ -125,14 +143,15 @@ class RequestRecorder:
     access log line reads the same figures (status, tokens, time to first token, finish reason)."""
 
     __slots__ = (
-        "metrics", "model", "endpoint", "started", "last_output", "finished", "status", "ttft_s",
+        "metrics", "model", "endpoint", "key", "started", "last_output", "finished", "status", "ttft_s",
         "finish_reasons", "prompt_tokens", "completion_tokens", "_ttft", "_itl",
     )  # fmt: skip
 
-    def __init__(self, metrics: GatewayMetrics, model: str, endpoint: str) -> None:
+    def __init__(self, metrics: GatewayMetrics, model: str, endpoint: str, key: str = ANONYMOUS) -> None:
         self.metrics = metrics
         self.model = model
         self.endpoint = endpoint
+        self.key = key
         self.started = time.perf_counter()
         self.last_output: float | None = None
         self.finished = False
@@ -176,12 +195,16 @@ class RequestRecorder:
         metrics, model = self.metrics, self.model
         duration = time.perf_counter() - self.started
         metrics.requests.labels(model, self.endpoint, str(status)).inc()
+        metrics.key_requests.labels(self.key, model, str(status)).inc()
         metrics.duration.labels(model).observe(duration)
         metrics.recent.add(model, status, duration, self.ttft_s)
         if prompt_tokens:
             metrics.prompt_tokens.labels(model).inc(prompt_tokens)
+            metrics.key_tokens.labels(self.key, model, "prompt").inc(prompt_tokens)
         if completion_tokens:
             metrics.completion_tokens.labels(model).inc(completion_tokens)
+            metrics.key_tokens.labels(self.key, model, "completion").inc(completion_tokens)
+        metrics.usage.add(self.key, prompt_tokens + completion_tokens)
 
 
 class RecentRequests:
@@ -221,6 +244,11 @@ def _percentile_ms(ordered: list[float], q: float) -> float | None:
     return round(ordered[min(int(q * len(ordered)), len(ordered) - 1)] * 1000.0, 1)
 
 
+def _key_name() -> str:
+    key = g.get("api_key")
+    return key.name if key is not None else ANONYMOUS
+
+
 def _endpoint() -> str:
     # The matched rule, not the raw path: label values must stay few whatever clients send.
     return request.url_rule.rule if request.url_rule is not None else "unmatched"
@@ -228,7 +256,7 @@ def _endpoint() -> str:
 
 def start_request(model: str) -> RequestRecorder:
     """A recorder for the current request (`model` is the canonical name, never client text)."""
-    recorder = RequestRecorder(current_app.extensions["metrics"], model, _endpoint())
+    recorder = RequestRecorder(current_app.extensions["metrics"], model, _endpoint(), _key_name())
     g.request_recorder = recorder
     return recorder
 
@@ -261,9 +289,9 @@ async def count_response(response: Response) -> Response:
         if request.path.startswith("/v1/"):
             # 400s name the model they were about; a 404's name may be anything a client typed.
             model = await _model_label() if response.status_code == 400 else ""
-            current_app.extensions["metrics"].requests.labels(
-                model, _endpoint(), str(response.status_code)
-            ).inc()
+            metrics = current_app.extensions["metrics"]
+            metrics.requests.labels(model, _endpoint(), str(response.status_code)).inc()
+            metrics.key_requests.labels(_key_name(), model, str(response.status_code)).inc()
     elif response.mimetype != "text/event-stream":
         recorder.finish(response.status_code)  # a no-op when the route already counted it
     return response

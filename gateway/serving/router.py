@@ -3,7 +3,8 @@
 Runs in the gateway process, on its asyncio loop. Owns, per model, the count of requests waiting
 for a slot and the rule that picks a replica: the ready one with the least outstanding work.
 A request takes a slot (one of `max_concurrent_jobs` per replica) before it is sent to a worker;
-beyond that it waits in a bounded queue; beyond that it is refused at once with 429/503.
+beyond that it waits in a bounded queue, served by priority class (gateway.serving.priority);
+beyond that it is refused at once with 429/503.
 """
 
 from __future__ import annotations
@@ -14,8 +15,10 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from gateway.config.api_keys import Priority
 from gateway.config.registry import ModelConfig, Registry
 from gateway.errors import InvalidRequest, ModelNotFound, QueueFull, RequestTimeout, ServiceUnavailable
+from gateway.serving.priority import effective_rank, request_priority
 from wire.states import MAY_SERVE, WorkerState, model_state
 
 if TYPE_CHECKING:
@@ -31,10 +34,12 @@ class AdmissionStopped(Exception):
 class _Waiter:
     """A request's place in a model's line; `changed` resolves when it should look again."""
 
-    __slots__ = ("changed",)
+    __slots__ = ("changed", "priority", "since")
 
-    def __init__(self) -> None:
+    def __init__(self, priority: Priority, since: float) -> None:
         self.changed: asyncio.Future[None] | None = None
+        self.priority = priority
+        self.since = since
 
 
 class ModelRoute:
@@ -49,6 +54,15 @@ class ModelRoute:
         # cancellation when a notify lands at the same moment, and the waiter would then sit out
         # its whole deadline.
         self._waiters: dict[_Waiter, None] = {}
+
+    def _head(self) -> _Waiter | None:
+        """The waiter to serve next: best class now (see gateway.serving.priority), then arrival."""
+        if not self._waiters:
+            return None
+        now = time.monotonic()
+        aging = self.config.limits.priority_aging_s
+        # dict order is arrival order and min() keeps the first of equals: FIFO within a class.
+        return min(self._waiters, key=lambda w: effective_rank(w.priority, now - w.since, aging))
 
     @property
     def state(self) -> WorkerState:
@@ -110,9 +124,10 @@ class ModelRoute:
         work: int = 0,
         avoid: frozenset[str] = frozenset(),
         stop: asyncio.Future[Any] | None = None,
+        priority: Priority | None = None,
     ) -> WorkerHandle:
         """One slot (see `acquire_slots`)."""
-        return (await self.acquire_slots(deadline, [work], prompt_size, avoid, stop))[0]
+        return (await self.acquire_slots(deadline, [work], prompt_size, avoid, stop, priority))[0]
 
     async def acquire_slots(
         self,
@@ -121,10 +136,12 @@ class ModelRoute:
         prompt_size: int = 0,
         avoid: frozenset[str] = frozenset(),
         stop: asyncio.Future[Any] | None = None,
+        priority: Priority | None = None,
     ) -> list[WorkerHandle]:
         """One slot per entry of `works` (a request's choices), taken all at once or not at all, so
         requests with several choices can never hold part of what they need while waiting for the
-        rest (two such requests would wait on each other). Waiters are served in arrival order: a
+        rest (two such requests would wait on each other). Waiters are served by priority class,
+        then in arrival order (gateway.serving.priority; `priority` defaults to the request's): a
         request needing many slots is not passed over forever by later small ones. Waits in the
         bounded queue until `deadline` (monotonic), or until `stop` is done (the request was
         aborted): then AdmissionStopped."""
@@ -149,7 +166,8 @@ class ModelRoute:
                     f"model '{self.config.name}' is at capacity ({self.waiting} queued); retry later",
                     headers={"Retry-After": "1"},
                 )
-            placed = await self._wait_for_slots(deadline, works, prompt_size, avoid, stop)
+            chosen = priority if priority is not None else request_priority()
+            placed = await self._wait_for_slots(deadline, works, prompt_size, avoid, stop, chosen)
         now = time.monotonic()
         for replica, work in zip(placed, works, strict=True):
             replica.in_flight += 1
@@ -164,16 +182,17 @@ class ModelRoute:
         prompt_size: int,
         avoid: frozenset[str],
         stop: asyncio.Future[Any] | None,
+        priority: Priority,
     ) -> list[WorkerHandle]:
         self.waiting += 1
         self.waiting_prompt_tokens += prompt_size
-        me = _Waiter()
+        me = _Waiter(priority, time.monotonic())
         self._waiters[me] = None  # insertion order is arrival order
         try:
             while True:
                 if stop is not None and stop.done():
                     raise AdmissionStopped()
-                placed = self._place_slots(works, avoid) if next(iter(self._waiters)) is me else None
+                placed = self._place_slots(works, avoid) if self._head() is me else None
                 if placed is not None:
                     return placed
                 reason = self._unservable_reason()

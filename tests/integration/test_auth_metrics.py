@@ -30,6 +30,7 @@ LIMITED = "limited-0123456789abcd"  # demo-b, 2 requests per minute
 ENV_KEY = "env-0123456789abcdefgh"  # GATEWAY_API_KEYS: every model
 BOB = "bob-0123456789abcdefghi"  # added while the gateway runs
 PROM = "prom-0123456789abcdefgh"  # metrics only
+THRIFTY = "thrifty-0123456789abcd"  # demo-b, 30 tokens a day, low priority
 
 KEYS = f"""
 keys:
@@ -46,6 +47,11 @@ keys:
   - name: prometheus
     key: {PROM}
     metrics: true
+  - name: thrifty
+    key: {THRIFTY}
+    models: [demo-b]
+    budget_tokens_per_day: 30
+    priority: low
 """
 
 
@@ -267,3 +273,51 @@ def test_non_loopback_bind_without_keys_is_refused(tmp_path: Path, demo_model_di
     assert result.returncode == 2
     assert "refusing to listen on '0.0.0.0' without API keys" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def metric_samples(gw: GatewayProcess) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    text = get(gw, "/metrics", bearer(PROM)).text
+    return {
+        (sample.name, frozenset(sample.labels.items())): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def test_usage_per_key_in_metrics_and_a_spent_budget_is_a_429_until_the_day_turns(
+    gateway: GatewayProcess,
+) -> None:
+    first = chat(gateway, THRIFTY, "demo-b", max_tokens=24, ignore_eos=True)
+    assert first.status_code == 200, first.text
+    used = first.json()["usage"]["total_tokens"]
+    assert used >= 30  # the budget is spent by this one request, which still ran to its end
+    refused = chat(gateway, THRIFTY, "demo-b")
+    assert refused.status_code == 429
+    error = refused.json()["error"]
+    assert error["code"] == "insufficient_quota" and "30 tokens per day" in error["message"]
+    assert 0 < int(refused.headers["Retry-After"]) <= 86_400
+    samples = metric_samples(gateway)
+    key = {("key", "thrifty"), ("model", "demo-b")}
+    assert samples[("gateway_key_tokens_total", frozenset({*key, ("kind", "prompt")}))] > 0
+    assert samples[("gateway_key_tokens_total", frozenset({*key, ("kind", "completion")}))] == 24
+    assert samples[("gateway_key_requests_total", frozenset({*key, ("status", "200")}))] == 1
+    assert (
+        samples[
+            ("gateway_key_requests_total", frozenset({("key", "thrifty"), ("model", ""), ("status", "429")}))
+        ]
+        == 1
+    )
+    # Other keys are not affected by thrifty's budget.
+    assert chat(gateway, ENV_KEY, "demo-b").status_code == 200
+
+
+def test_a_priority_header_that_names_no_class_is_a_400_naming_it(gateway: GatewayProcess) -> None:
+    body = {"model": "demo-a", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    headers = bearer(ALICE) | {"X-Priority": "urgent"}
+    reply = httpx.post(gateway.url + "/v1/chat/completions", json=body, headers=headers, timeout=60)
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "X-Priority"
+    headers["X-Priority"] = "low"
+    assert (
+        httpx.post(gateway.url + "/v1/chat/completions", json=body, headers=headers, timeout=60).status_code
+        == 200
+    )

@@ -255,3 +255,67 @@ def test_choices_spread_over_replicas_when_each_has_room() -> None:
         return [r.id for r in await route.acquire_slots(soon(), [5, 5])]
 
     assert run(scenario()) == ["m#0-r0", "m#0-r1"]
+
+
+def test_a_full_queue_serves_higher_classes_first_then_arrival_order() -> None:
+    route = route_of(S.READY, max_concurrent_jobs=1, priority_aging_s=600)
+    order: list[str] = []
+
+    async def waiter(name: str, priority: Any) -> None:
+        replica = await route.acquire(soon(), priority=priority)
+        order.append(name)
+        route.release(replica)
+
+    async def scenario() -> None:
+        held = await route.acquire(soon())
+        tasks = []
+        for name, priority in [("low-1", "low"), ("normal", "normal"), ("high", "high"), ("low-2", "low")]:
+            tasks.append(asyncio.create_task(waiter(name, priority)))
+            while route.waiting < len(tasks):  # each is in the queue before the next arrives
+                assert not any(task.done() for task in tasks), [t.exception() for t in tasks if t.done()]
+                await asyncio.sleep(0)
+        route.release(held)
+        await asyncio.gather(*tasks)
+
+    run(scenario())
+    assert order == ["high", "normal", "low-1", "low-2"]
+
+
+def test_a_low_request_that_waited_long_enough_goes_before_later_high_ones() -> None:
+    aging = 0.1
+    route = route_of(S.READY, max_concurrent_jobs=1, priority_aging_s=aging)
+    order: list[str] = []
+
+    async def waiter(name: str, priority: Any) -> None:
+        replica = await route.acquire(soon(), priority=priority)
+        order.append(name)
+        route.release(replica)
+
+    async def scenario() -> None:
+        held = await route.acquire(soon())
+        low = asyncio.create_task(waiter("low", "low"))
+        while route.waiting < 1:
+            assert not low.done(), low.exception()
+            await asyncio.sleep(0)
+        # The waiting time is the behaviour under test: two aging steps lift `low` to `high`.
+        await asyncio.sleep(2 * aging + 0.05)
+        high = asyncio.create_task(waiter("high", "high"))
+        while route.waiting < 2:
+            assert not high.done(), high.exception()
+            await asyncio.sleep(0)
+        route.release(held)
+        await asyncio.gather(low, high)
+
+    run(scenario())
+    assert order == ["low", "high"]
+
+
+def test_priority_classes_age_and_requests_cannot_rise_above_their_key() -> None:
+    from gateway.serving.priority import allowed_priority, effective_rank
+
+    assert [effective_rank("low", waited, 10) for waited in (0, 9.9, 10, 19.9, 20, 500)] == [2, 2, 1, 1, 0, 0]
+    assert effective_rank("high", 0, 10) == 0
+    assert allowed_priority(None, "normal") == "normal"
+    assert allowed_priority("high", "normal") == "normal"  # capped at the key's class
+    assert allowed_priority(" LOW ", "normal") == "low"
+    assert allowed_priority("urgent", "high") is None
