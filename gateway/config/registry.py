@@ -287,6 +287,16 @@ class ServerConfig(_Strict):
         description="Where hf:// models are downloaded, relative to the registry file; default "
         "~/.cache/llm-gateway/models.",
     )
+    redis_url: str | None = Field(
+        None,
+        pattern=r"^(redis|rediss|unix)://",
+        description="Share per-key rate limits and token budgets with every gateway using this Redis "
+        "(redis://host:6379/0, rediss:// for TLS). Unset: each gateway counts its own. While Redis "
+        "cannot be reached, each gateway falls back to its own counts.",
+    )
+    redis_key_prefix: str = Field(
+        "llm-gateway:", min_length=1, description="Prefix of every Redis key the gateways write."
+    )
 
 
 class Registry(_Strict):

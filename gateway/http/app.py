@@ -20,6 +20,7 @@ from quart_schema import QuartSchema, RequestSchemaValidationError
 from quart_schema.openapi import Info
 from werkzeug.exceptions import HTTPException
 
+from gateway.cluster.counters import KeyCounters
 from gateway.config.registry import Registry
 from gateway.core import Gateway
 from gateway.errors import APIError, InvalidRequest, error_body
@@ -39,7 +40,6 @@ from gateway.http.browser_guard import BrowserGuard
 from gateway.http.json_body import JsonRequest
 from gateway.http.request_log import begin_request, end_request, finish_request
 from gateway.observability.metrics import GatewayMetrics, count_response
-from gateway.observability.usage import UsageLedger
 from gateway.reloads import Reloads
 
 logger = logging.getLogger(__name__)
@@ -95,13 +95,13 @@ def create_app(registry: Registry) -> Quart:
         scalar_ui_path=None,
     )
     # Keys first: a broken keys file stops startup before a runtime folder or socket exists.
-    usage = UsageLedger()
-    authenticator = Authenticator(registry, usage=usage)
+    counters = KeyCounters(registry.server.redis_url, registry.server.redis_key_prefix)
+    authenticator = Authenticator(registry, counters=counters)
     runtime_dir = make_runtime_dir(registry)
     gateway = Gateway.build(registry, runtime_dir)
     app.extensions["gateway"] = gateway
     app.extensions["auth"] = authenticator
-    app.extensions["metrics"] = GatewayMetrics(gateway, usage)
+    app.extensions["metrics"] = GatewayMetrics(gateway, counters.add_usage)
     app.extensions["reloads"] = Reloads(gateway, authenticator.use_registry)
     # The request id first, so a refused request is logged and answered with one too.
     app.before_request(begin_request)
@@ -116,6 +116,7 @@ def create_app(registry: Registry) -> Quart:
 
     @app.before_serving
     async def start_gateway() -> None:
+        await counters.start()
         await gateway.link.start()
         gateway.service.start()
         gateway.supervisor.start()
@@ -128,6 +129,7 @@ def create_app(registry: Registry) -> Quart:
         await gateway.supervisor.stop(registry.server.shutdown_grace_s)
         await gateway.service.stop()
         await gateway.link.close()
+        await counters.stop()
         if registry.server.runtime_dir is None:
             shutil.rmtree(runtime_dir, ignore_errors=True)
         logger.info("gateway stopped")

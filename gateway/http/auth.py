@@ -2,7 +2,8 @@
 
 Runs in the gateway process, on its asyncio loop (a Quart `before_request` hook). Owns the live
 key set (from gateway.config.api_keys: the keys file plus the environment), its reload when the file
-changes, and the per-key token buckets. Only SHA-256 digests of keys are kept, compared in
+changes, and the checks of each key's rate limit and budget (gateway.cluster.counters: in this
+process, or shared through Redis). Only SHA-256 digests of keys are kept, compared in
 constant time; keys are never logged, only their names.
 
 Rules once any key source is configured (deny by default):
@@ -33,6 +34,7 @@ from collections.abc import Callable, Mapping
 from quart import g, request
 from werkzeug.datastructures import Headers
 
+from gateway.cluster.counters import KeyCounters
 from gateway.config.api_keys import (
     ApiKey,
     check_unique,
@@ -44,7 +46,6 @@ from gateway.config.api_keys import (
 )
 from gateway.config.registry import ConfigError, Registry
 from gateway.errors import AuthenticationFailed, InvalidRequest, ModelNotFound, PermissionDenied, QueueFull
-from gateway.observability.usage import UsageLedger
 from gateway.serving import priority
 
 logger = logging.getLogger(__name__)
@@ -53,28 +54,6 @@ logger = logging.getLogger(__name__)
 # says only ready or not (gateway.http.health_routes adds the models a valid key may use).
 OPEN_PATHS = frozenset({"/health/live", "/health/ready", "/health", "/ping", "/version", "/dashboard"})
 RELOAD_CHECK_S = 1.0
-
-
-# ---- rate limiting ------------------------------------------------------------------------------
-
-
-class TokenBucket:
-    """`rpm` requests per minute, with bursts of up to `rpm` once the bucket has filled."""
-
-    def __init__(self, rpm: int, now: float) -> None:
-        self.rpm = rpm
-        self.tokens = float(rpm)
-        self.updated = now
-
-    def take(self, now: float) -> float:
-        """0.0 if a request may go now; otherwise the seconds until one may."""
-        rate = self.rpm / 60.0
-        self.tokens = min(float(self.rpm), self.tokens + (now - self.updated) * rate)
-        self.updated = now
-        if self.tokens >= 1.0:
-            self.tokens -= 1.0
-            return 0.0
-        return (1.0 - self.tokens) / rate
 
 
 # ---- the per-app authenticator ------------------------------------------------------------------
@@ -86,17 +65,16 @@ class Authenticator:
         registry: Registry,
         environ: Mapping[str, str] | None = None,
         clock: Callable[[], float] = time.monotonic,
-        usage: UsageLedger | None = None,
+        counters: KeyCounters | None = None,
     ) -> None:
         self.registry = registry
-        self.usage = usage if usage is not None else UsageLedger()
+        self.counters = counters if counters is not None else KeyCounters(monotonic=clock)
         self.path = keys_file_path(registry)
         self._env_keys = env_keys(os.environ if environ is None else environ)
         self._clock = clock
         self._file_keys: list[ApiKey] = []
         self._file_signature: tuple[int, int, int] | None = None
         self._checked_at = clock()
-        self._buckets: dict[str, TokenBucket] = {}
         if self.path is not None:
             self._file_signature = self._signature()
             self._file_keys = parse_keys_file(self.path, registry)
@@ -164,15 +142,6 @@ class Authenticator:
                 found = key
         return found
 
-    def retry_after(self, key: ApiKey) -> float:
-        if key.rate_limit_rpm is None:
-            return 0.0
-        now = self._clock()
-        bucket = self._buckets.get(key.name)
-        if bucket is None or bucket.rpm != key.rate_limit_rpm:
-            bucket = self._buckets[key.name] = TokenBucket(key.rate_limit_rpm, now)
-        return bucket.take(now)
-
     async def before_request(self) -> None:
         """The Quart hook: raise an APIError unless the request's key may do what it asks."""
         path = request.path
@@ -208,7 +177,7 @@ class Authenticator:
         if not any(p.startswith(MODEL_SCOPED_PREFIXES) for p in (path, rule)):
             return
         apply_priority(key)
-        wait = self.retry_after(key)
+        wait = await self.counters.rate_wait(key)
         if wait > 0:
             logger.info("%s %s refused: key %r is over its rate limit", request.method, path, key.name)
             raise QueueFull(
@@ -216,7 +185,7 @@ class Authenticator:
                 code="rate_limit_exceeded",
                 headers={"Retry-After": str(math.ceil(wait))},
             )
-        spent = self.usage.spent(key.name, key.budgets)
+        spent = await self.counters.budget_spent(key)
         if spent is not None:
             logger.info(
                 "%s %s refused: key %r is over its %s budget", request.method, path, key.name, spent.period
@@ -224,7 +193,7 @@ class Authenticator:
             raise QueueFull(
                 spent.message(),
                 code="insufficient_quota",
-                headers={"Retry-After": str(self.usage.retry_after_s(spent))},
+                headers={"Retry-After": str(self.counters.retry_after_s(spent))},
             )
         name = await requested_model()
         if name is None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector
@@ -28,7 +28,6 @@ from quart import Response, current_app, g, request
 from werkzeug.exceptions import HTTPException
 
 from gateway.errors import ClientClosed
-from gateway.observability.usage import UsageLedger
 from wire.results import JobOutput
 from wire.states import WorkerState
 
@@ -50,9 +49,10 @@ ANONYMOUS = "anonymous"  # the key label of requests on a gateway without keys (
 
 
 class GatewayMetrics:
-    def __init__(self, gateway: Gateway, usage: UsageLedger | None = None) -> None:
+    def __init__(self, gateway: Gateway, add_usage: Callable[[str, int], None] | None = None) -> None:
         self.registry = CollectorRegistry()
-        self.usage = usage if usage is not None else UsageLedger()
+        # Where a finished request's tokens go for its key's budget (gateway.cluster.counters).
+        self.add_usage = add_usage if add_usage is not None else (lambda key, tokens: None)
         r = self.registry
         self.requests = Counter(
             "gateway_requests",
@@ -204,7 +204,7 @@ class RequestRecorder:
         if completion_tokens:
             metrics.completion_tokens.labels(model).inc(completion_tokens)
             metrics.key_tokens.labels(self.key, model, "completion").inc(completion_tokens)
-        metrics.usage.add(self.key, prompt_tokens + completion_tokens)
+        metrics.add_usage(self.key, prompt_tokens + completion_tokens)
 
 
 class RecentRequests:

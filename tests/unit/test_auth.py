@@ -17,6 +17,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from quart import Quart
 
+from gateway.cluster.counters import TokenBucket
 from gateway.config.api_keys import (
     ApiKey,
     check_bind_allowed,
@@ -27,7 +28,7 @@ from gateway.config.api_keys import (
 )
 from gateway.config.registry import ConfigError, Registry, parse_registry
 from gateway.http.app import create_app
-from gateway.http.auth import Authenticator, TokenBucket
+from gateway.http.auth import Authenticator
 from wire.states import WorkerState
 
 ALICE = "alice-key-0123456789"
