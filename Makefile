@@ -17,7 +17,7 @@ LOCK_TARGET := --python-version 3.11 --python-platform x86_64-manylinux_2_28
 TORCH_CPU_LOCAL := torch==2.13.0+cpu
 FIND_LINKS ?= $(or $(PIP_FIND_LINKS),/opt/wheels)
 
-.PHONY: install serve test test-latest lint lock check-lock demo-models bench clean
+.PHONY: install serve test test-latest lint lock check-lock docs demo-models bench clean
 
 install: $(VENV)/.installed
 
@@ -74,9 +74,13 @@ test-latest:
 	$(LATEST_VENV)/bin/python -m pip list --format=freeze > $(LATEST_VENV)/versions.txt
 	$(LATEST_VENV)/bin/python -m pytest -q -p no:cacheprovider
 
+# The documentation site, into site/ (strict: broken links and unknown config fields fail it).
+docs: install
+	$(BIN)/mkdocs build --strict -d site
+
 lint: install
-	$(BIN)/ruff check gateway model_worker wire tests bench scripts
-	$(BIN)/ruff format --check gateway model_worker wire tests bench scripts
+	$(BIN)/ruff check gateway model_worker wire tests bench scripts docs
+	$(BIN)/ruff format --check gateway model_worker wire tests bench scripts docs
 	$(BIN)/mypy gateway model_worker wire
 
 bench: install demo-models

@@ -46,14 +46,14 @@ class SamplingDefaults(_Strict):
     """Per-model defaults; a request's own values override them."""
 
     max_tokens: int = Field(512, ge=1, description="Completion length when the request gives none.")
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    temperature: float = Field(1.0, ge=0.0, le=2.0, description="Sampling temperature; 0 is greedy.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling; 1 disables it.")
     top_k: int = Field(0, ge=0, description="0 disables top-k.")
-    min_p: float = Field(0.0, ge=0.0, le=1.0)
-    typical_p: float = Field(1.0, gt=0.0, le=1.0)
-    repetition_penalty: float = Field(1.0, gt=0.0)
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    min_p: float = Field(0.0, ge=0.0, le=1.0, description="Minimum probability relative to the top token.")
+    typical_p: float = Field(1.0, gt=0.0, le=1.0, description="Locally typical sampling; 1 disables it.")
+    repetition_penalty: float = Field(1.0, gt=0.0, description="Multiplicative penalty on repeated tokens.")
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="OpenAI's, by count of each token.")
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="OpenAI's, once per token present.")
 
 
 class ModelLimits(_Strict):
@@ -97,14 +97,18 @@ class ModelConfig(_Strict):
         "downloaded into server.model_cache_dir before the worker starts.",
     )
     gpus: list[int] = Field(default_factory=list, description="GPU indices; empty means CPU.")
-    max_seq_len: int = Field(DEFAULT_MAX_SEQ_LEN, ge=16)
+    max_seq_len: int = Field(
+        DEFAULT_MAX_SEQ_LEN, ge=16, description="Context length: prompt plus completion."
+    )
     replicas: int = Field(1, ge=1, le=64, description="Worker processes serving this model.")
     replica_gpus: list[list[int]] | None = Field(
         None, description="GPU indices per replica, e.g. [[0], [1]]; default: every replica uses gpus."
     )
-    aliases: list[str] = Field(default_factory=list)
-    defaults: SamplingDefaults = Field(default_factory=SamplingDefaults)
-    limits: ModelLimits = Field(default_factory=ModelLimits)
+    aliases: list[str] = Field(default_factory=list, description="Other names clients may send for it.")
+    defaults: SamplingDefaults = Field(
+        default_factory=SamplingDefaults, description="Sampling defaults; a request's own values win."
+    )
+    limits: ModelLimits = Field(default_factory=ModelLimits, description="Admission, queue and deadlines.")
     chat_template: str | None = Field(None, description="Inline Jinja template or a path to a file.")
     remote: bool = Field(False, description="Served only by workers that connect from other hosts.")
     load: Literal["startup", "on_demand"] = Field(
@@ -221,8 +225,8 @@ class RemoteWorkersConfig(_Strict):
 
 
 class ServerConfig(_Strict):
-    host: str = "127.0.0.1"
-    port: int = Field(8000, ge=0, le=65535)
+    host: str = Field("127.0.0.1", description="Bind address (HOST and --host override).")
+    port: int = Field(8000, ge=0, le=65535, description="Bind port (PORT and --port override).")
     runtime_dir: Path | None = Field(None, description="Where ipc sockets live; default a private temp dir.")
     remote_workers: RemoteWorkersConfig | None = Field(None, description="Accept workers from other hosts.")
     api_keys_file: Path | None = Field(
@@ -232,13 +236,17 @@ class ServerConfig(_Strict):
         "the gateway serves without auth and only on a loopback address.",
     )
     worker_start_timeout_s: float = Field(600.0, gt=0, description="Load plus warm-up deadline per worker.")
-    heartbeat_interval_s: float = Field(DEFAULT_HEARTBEAT_INTERVAL_S, gt=0)
+    heartbeat_interval_s: float = Field(
+        DEFAULT_HEARTBEAT_INTERVAL_S, gt=0, description="How often each worker reports its state and load."
+    )
     heartbeat_timeout_s: float = Field(30.0, gt=0, description="No frame for this long: worker lost.")
-    max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024)
-    shutdown_grace_s: float = Field(10.0, ge=0)
+    max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024, description="Larger request bodies get 413.")
+    shutdown_grace_s: float = Field(
+        10.0, ge=0, description="On SIGTERM, requests in flight may finish for this long."
+    )
     sse_keepalive_s: float = Field(15.0, gt=0, description="SSE comment ping while a stream waits.")
     restart_backoff_s: float = Field(1.0, gt=0, description="First restart delay; doubles per failed start.")
-    restart_backoff_max_s: float = Field(30.0, gt=0)
+    restart_backoff_max_s: float = Field(30.0, gt=0, description="The longest restart delay.")
     restart_limit: int = Field(
         5, ge=1, description="Failed starts in a row before a worker is marked failed."
     )
