@@ -34,12 +34,12 @@ class WaitTimeout(AssertionError):
     """What wait_until raises: the event never happened within its time."""
 
 
-def _poll_intervals() -> Iterator[float]:
+def _poll_intervals(cap: float) -> Iterator[float]:
     """Short first (most events are near), then backing off so a long wait costs little CPU."""
-    interval = _FIRST_POLL_S
+    interval = min(_FIRST_POLL_S, cap)
     while True:
         yield interval
-        interval = min(interval * 1.5, _MAX_POLL_S)
+        interval = min(interval * 1.5, cap)
 
 
 def _timed_out(what: str, timeout: float, last: object, context: Callable[[], object] | None) -> WaitTimeout:
@@ -56,14 +56,16 @@ def wait_until(
     *,
     context: Callable[[], object] | None = None,
     retry_on: tuple[type[BaseException], ...] = (),
+    poll_s: float = _MAX_POLL_S,
 ) -> T:
     """Poll `predicate` until it returns something truthy, and return that. On timeout fail with
     `what` (the event awaited, as a phrase), the last value and `context()` (e.g. `gateway.log`,
     whose tail is shown). Exceptions of `retry_on` count as "not yet"; any other propagates, so a
-    predicate can fail fast (a process that died will not become ready)."""
+    predicate can fail fast (a process that died will not become ready). `poll_s` caps the pause
+    between checks: lower it only for a predicate that records short-lived states on the way."""
     deadline = time.monotonic() + timeout
     last: Any = None
-    for pause in _poll_intervals():
+    for pause in _poll_intervals(poll_s):
         try:
             last = predicate()
         except retry_on as exc:
@@ -85,6 +87,7 @@ async def async_wait_until(
     *,
     context: Callable[[], object] | None = ...,
     retry_on: tuple[type[BaseException], ...] = ...,
+    poll_s: float = ...,
 ) -> T: ...
 
 
@@ -96,6 +99,7 @@ async def async_wait_until(
     *,
     context: Callable[[], object] | None = ...,
     retry_on: tuple[type[BaseException], ...] = ...,
+    poll_s: float = ...,
 ) -> T: ...
 
 
@@ -106,12 +110,13 @@ async def async_wait_until(
     *,
     context: Callable[[], object] | None = None,
     retry_on: tuple[type[BaseException], ...] = (),
+    poll_s: float = _MAX_POLL_S,
 ) -> Any:
     """wait_until for a test's event loop: the predicate may be a coroutine function, and the
     pauses let the loop run what the test waits for."""
     deadline = time.monotonic() + timeout
     last: Any = None
-    for pause in _poll_intervals():
+    for pause in _poll_intervals(poll_s):
         try:
             last = predicate()
             if inspect.isawaitable(last):
@@ -125,6 +130,14 @@ async def async_wait_until(
             raise _timed_out(what, timeout, last, context)
         await asyncio.sleep(pause)
     raise AssertionError("unreachable")
+
+
+async def settle(turns: int = 20) -> None:
+    """Let every callback that is ready run (a woken waiter takes a few loop turns), so a test of
+    asyncio code without I/O can check that something did *not* happen: nothing else can arrive
+    later. Yields to the loop; never a wall-clock wait."""
+    for _ in range(turns):
+        await asyncio.sleep(0)
 
 
 def free_port() -> int:

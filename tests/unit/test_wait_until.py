@@ -10,7 +10,7 @@ import itertools
 
 import pytest
 
-from tests.harness import WaitTimeout, async_wait_until, wait_until
+from tests.harness import WaitTimeout, async_wait_until, settle, wait_until
 
 
 def test_returns_the_first_truthy_value() -> None:
@@ -51,5 +51,24 @@ def test_the_async_variant_lets_the_loop_run_and_awaits_coroutine_predicates() -
         assert await async_wait_until(later, "a coroutine predicate") == 7
         with pytest.raises(WaitTimeout, match="waiting for nothing"):
             await async_wait_until(lambda: None, "nothing", 0.05)
+
+    asyncio.run(scenario())
+
+
+def test_settle_runs_what_is_ready_and_nothing_more() -> None:
+    async def scenario() -> None:
+        condition = asyncio.Condition()
+
+        async def waiter() -> None:
+            async with condition:
+                await condition.wait()
+
+        task = asyncio.create_task(waiter())
+        await settle()
+        assert not task.done()  # nothing woke it
+        async with condition:
+            condition.notify()
+        await settle()
+        assert task.done()  # woken, it ran to its end within the turns settle gives
 
     asyncio.run(scenario())
