@@ -1,23 +1,143 @@
 """Test harness: a real gateway process on a free port, started and stopped by the tests.
 
 Runs in the pytest process. Owns `GatewayProcess`, which spawns `python -m gateway serve`, waits
-for readiness over HTTP, and on exit sends SIGTERM and checks that the gateway exits.
+for readiness over HTTP, and on exit sends SIGTERM and checks that the gateway exits; and
+`wait_until` / `async_wait_until`, the one way tests wait for something to happen (never a sleep).
 """
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar, overload
 
 import httpx
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+T = TypeVar("T")
+# Generous on purpose: CI runs the suite on 2 shared cores, where a worker restart can take many
+# seconds. A wait ends as soon as its event happens, so a long limit costs nothing when all is well.
+WAIT_TIMEOUT_S = 60.0
+_FIRST_POLL_S, _MAX_POLL_S = 0.01, 0.2
+_LOG_TAIL_CHARS = 4000
+
+
+class WaitTimeout(AssertionError):
+    """What wait_until raises: the event never happened within its time."""
+
+
+def _poll_intervals(cap: float) -> Iterator[float]:
+    """Short first (most events are near), then backing off so a long wait costs little CPU."""
+    interval = min(_FIRST_POLL_S, cap)
+    while True:
+        yield interval
+        interval = min(interval * 1.5, cap)
+
+
+def _timed_out(what: str, timeout: float, last: object, context: Callable[[], object] | None) -> WaitTimeout:
+    message = f"timed out after {timeout:g}s waiting for {what}; the last check gave {last!r}"
+    if context is not None:
+        message += "\n" + str(context())[-_LOG_TAIL_CHARS:]
+    return WaitTimeout(message)
+
+
+def wait_until(
+    predicate: Callable[[], T | None],
+    what: str,
+    timeout: float = WAIT_TIMEOUT_S,
+    *,
+    context: Callable[[], object] | None = None,
+    retry_on: tuple[type[BaseException], ...] = (),
+    poll_s: float = _MAX_POLL_S,
+) -> T:
+    """Poll `predicate` until it returns something truthy, and return that. On timeout fail with
+    `what` (the event awaited, as a phrase), the last value and `context()` (e.g. `gateway.log`,
+    whose tail is shown). Exceptions of `retry_on` count as "not yet"; any other propagates, so a
+    predicate can fail fast (a process that died will not become ready). `poll_s` caps the pause
+    between checks: lower it only for a predicate that records short-lived states on the way."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    for pause in _poll_intervals(poll_s):
+        try:
+            last = predicate()
+        except retry_on as exc:
+            last = exc
+        else:
+            if last:
+                return last  # type: ignore[no-any-return]
+        if time.monotonic() >= deadline:
+            raise _timed_out(what, timeout, last, context)
+        time.sleep(pause)
+    raise AssertionError("unreachable")
+
+
+@overload
+async def async_wait_until(
+    predicate: Callable[[], Awaitable[T | None]],
+    what: str,
+    timeout: float = ...,
+    *,
+    context: Callable[[], object] | None = ...,
+    retry_on: tuple[type[BaseException], ...] = ...,
+    poll_s: float = ...,
+) -> T: ...
+
+
+@overload
+async def async_wait_until(
+    predicate: Callable[[], T | None],
+    what: str,
+    timeout: float = ...,
+    *,
+    context: Callable[[], object] | None = ...,
+    retry_on: tuple[type[BaseException], ...] = ...,
+    poll_s: float = ...,
+) -> T: ...
+
+
+async def async_wait_until(
+    predicate: Callable[[], Any],
+    what: str,
+    timeout: float = WAIT_TIMEOUT_S,
+    *,
+    context: Callable[[], object] | None = None,
+    retry_on: tuple[type[BaseException], ...] = (),
+    poll_s: float = _MAX_POLL_S,
+) -> Any:
+    """wait_until for a test's event loop: the predicate may be a coroutine function, and the
+    pauses let the loop run what the test waits for."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    for pause in _poll_intervals(poll_s):
+        try:
+            last = predicate()
+            if inspect.isawaitable(last):
+                last = await last
+        except retry_on as exc:
+            last = exc
+        else:
+            if last:
+                return last
+        if time.monotonic() >= deadline:
+            raise _timed_out(what, timeout, last, context)
+        await asyncio.sleep(pause)
+    raise AssertionError("unreachable")
+
+
+async def settle(turns: int = 20) -> None:
+    """Let every callback that is ready run (a woken waiter takes a few loop turns), so a test of
+    asyncio code without I/O can check that something did *not* happen: nothing else can arrive
+    later. Yields to the loop; never a wall-clock wait."""
+    for _ in range(turns):
+        await asyncio.sleep(0)
 
 
 def free_port() -> int:
@@ -71,37 +191,29 @@ class GatewayProcess:
             self.wait_until_ready(self.ready_timeout)
         return self
 
+    def _check_running(self) -> None:
+        assert self.process is not None
+        if self.process.poll() is not None:  # it will not become ready: fail now, not at the timeout
+            raise RuntimeError(f"gateway exited with {self.process.returncode}:\n{self.log()}")
+
     def wait_until_ready(self, timeout: float) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout
-        last: Any = None
-        while time.monotonic() < deadline:
-            assert self.process is not None
-            if self.process.poll() is not None:
-                raise RuntimeError(f"gateway exited with {self.process.returncode}:\n{self.log()}")
-            try:
-                response = httpx.get(self.url + "/health/ready", timeout=2)
-                last = response.json()
-                if response.status_code == 200:
-                    return last  # type: ignore[no-any-return]
-            except httpx.HTTPError as exc:
-                last = exc
-            time.sleep(0.2)
-        raise TimeoutError(f"gateway not ready after {timeout}s: {last}\n{self.log()}")
+        def ready() -> dict[str, Any] | None:
+            self._check_running()
+            response = httpx.get(self.url + "/health/ready", timeout=2)
+            return response.json() if response.status_code == 200 else None
+
+        return wait_until(
+            ready, "the gateway to be ready", timeout, context=self.log, retry_on=(httpx.HTTPError,)
+        )
 
     def wait_until_live(self, timeout: float = 60.0) -> None:
         """The HTTP server answers (models may still be loading, or have no worker yet)."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            assert self.process is not None
-            if self.process.poll() is not None:
-                raise RuntimeError(f"gateway exited with {self.process.returncode}:\n{self.log()}")
-            try:
-                if httpx.get(self.url + "/health/live", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        raise TimeoutError(f"gateway not live after {timeout}s:\n{self.log()}")
+
+        def live() -> bool:
+            self._check_running()
+            return httpx.get(self.url + "/health/live", timeout=1).status_code == 200
+
+        wait_until(live, "the gateway to be live", timeout, context=self.log, retry_on=(httpx.HTTPError,))
 
     def workers(self) -> list[dict[str, Any]]:
         return httpx.get(self.url + "/admin/workers", timeout=5).json()["workers"]  # type: ignore[no-any-return]

@@ -74,12 +74,12 @@ async def completions(data: CompletionRequest) -> Any:
     prompts = data.prompts()
     check_generation_count(route, len(prompts), data.n)
     inputs = []
-    for prompt in prompts:
+    for prompt_index, prompt in enumerate(prompts):
         if isinstance(prompt, str):
-            choice = ChoiceInput(prompt=prompt, echo=prompt if data.echo else "")
+            choice = ChoiceInput(prompt=prompt, echo=prompt if data.echo else "", prompt_index=prompt_index)
         else:
             echo = await _prompt_text(route, prompt) if data.echo else ""
-            choice = ChoiceInput(prompt_token_ids=prompt, echo=echo)
+            choice = ChoiceInput(prompt_token_ids=prompt, echo=echo, prompt_index=prompt_index)
         inputs.extend([choice] * data.n)
     formatter = ResponseFormatter(
         "cmpl-" + uuid.uuid4().hex, data.model, chat=False,

@@ -22,6 +22,7 @@ class ChoiceInput:
     messages: list[ChatMessage] | None = None
     echo: str = ""  # completions with echo: the prompt text, put before the choice's text
     chat: ChatOptions | None = None  # with messages: tools and the template's switches
+    prompt_index: int = 0  # which prompt of the request (a list of prompts): n choices share one
 
     def size_estimate(self) -> int:
         """Prompt tokens, roughly, before the worker has tokenized it (admission and routing)."""
@@ -32,6 +33,7 @@ class ChoiceInput:
 @dataclass
 class ChoiceOutput:
     index: int
+    prompt_index: int = 0  # choices with the same prompt_index answer the same prompt
     prompt_tokens: int = 0
     text_parts: list[str] = field(default_factory=list)
     text_length: int = 0  # kept as we go: text offsets per chunk must not re-join the whole text
@@ -73,11 +75,16 @@ class UsageTotals:
 
 
 def usage_totals(choices: list[ChoiceOutput]) -> UsageTotals:
-    # n > 1 on one prompt shares the prompt: OpenAI counts it once.
-    prompts = {c.prompt_tokens for c in choices}
-    prompt_tokens = next(iter(prompts)) if len(prompts) == 1 else sum(c.prompt_tokens for c in choices)
+    """OpenAI counts each prompt once, however many choices (n) answer it; prompts add up."""
+    prompt_tokens: dict[int, int] = {}
+    cached_tokens: dict[int, int] = {}
+    for choice in choices:
+        # max: a choice whose job was not accepted yet (or never) has no count of its own.
+        prompt = choice.prompt_index
+        prompt_tokens[prompt] = max(prompt_tokens.get(prompt, 0), choice.prompt_tokens)
+        cached_tokens[prompt] = max(cached_tokens.get(prompt, 0), choice.cached_tokens)
     return UsageTotals(
-        prompt_tokens=prompt_tokens,
+        prompt_tokens=sum(prompt_tokens.values()),
         completion_tokens=sum(c.completion_tokens for c in choices),
-        cached_tokens=max((c.cached_tokens for c in choices), default=0),
+        cached_tokens=sum(cached_tokens.values()),
     )

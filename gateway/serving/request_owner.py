@@ -92,7 +92,7 @@ class Choice:
     output: ChoiceOutput = field(init=False)
 
     def __post_init__(self) -> None:
-        self.output = ChoiceOutput(self.index)
+        self.output = ChoiceOutput(self.index, self.input.prompt_index)
 
     # ---- the link's calls ------------------------------------------------------------------
 

@@ -9,14 +9,14 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 
-from tests.harness import GatewayProcess
+from tests.harness import GatewayProcess, async_wait_until, wait_until
 from tests.integration.conftest import demo_entry, write_registry
 
 FAULTY = "test:tests.fault_engines.FaultyEngine"
@@ -45,18 +45,39 @@ def gateway(tmp_path_factory: pytest.TempPathFactory, demo_model_dir: Path) -> I
         yield gw
 
 
-def worker(gw: GatewayProcess, model: str) -> dict[str, object]:
+def worker(gw: GatewayProcess, model: str) -> dict[str, Any]:
     return next(w for w in gw.workers() if w["model"] == model)
 
 
-def wait_ready(gw: GatewayProcess, model: str, timeout: float = 60) -> dict[str, object]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+def wait_worker(
+    gw: GatewayProcess, model: str, what: str, check: Callable[[dict[str, Any]], bool]
+) -> dict[str, Any]:
+    """The model's worker as the admin API shows it, once `check` holds."""
+
+    def matching() -> dict[str, Any] | None:
         info = worker(gw, model)
-        if info["state"] == "ready":
-            return info
-        time.sleep(0.1)
-    raise AssertionError(f"{model} not ready again: {worker(gw, model)}")
+        return info if check(info) else None
+
+    return wait_until(matching, f"the {model} worker {what}", context=gw.log)
+
+
+def wait_ready(gw: GatewayProcess, model: str) -> dict[str, Any]:
+    return wait_worker(gw, model, "to be ready", lambda w: w["state"] == "ready")
+
+
+def is_idle(info: dict[str, Any]) -> bool:
+    return info["active_jobs"] == 0 and info["queued_jobs"] == 0 and info["in_flight"] == 0
+
+
+def wait_all_idle(gw: GatewayProcess) -> list[dict[str, Any]]:
+    """Every worker idle. Its job counters come in the same heartbeat as its (zero) active jobs, so
+    they include every job of the requests before: a settled snapshot to compare with."""
+
+    def idle() -> list[dict[str, Any]] | None:
+        workers = gw.workers()
+        return workers if all(is_idle(w) for w in workers) else None
+
+    return wait_until(idle, "every worker to be idle", context=gw.log)
 
 
 def sse_events(response: httpx.Response) -> Iterator[tuple[str | None, str]]:
@@ -71,7 +92,7 @@ def sse_events(response: httpx.Response) -> Iterator[tuple[str | None, str]]:
             yield "comment", line
 
 
-def completion(model: str, prompt: str, **extra: object) -> dict[str, object]:
+def completion(model: str, prompt: str, **extra: object) -> dict[str, Any]:
     return {
         "model": model,
         "prompt": prompt,
@@ -87,13 +108,12 @@ def test_worker_death_mid_stream_ends_with_error_event(gateway: GatewayProcess, 
     wait_ready(gateway, "faulty")
     restarts_before = worker(gateway, "faulty")["restarts"]
 
-    async def scenario() -> tuple[list[tuple[str | None, str]], float, str]:
+    async def scenario() -> tuple[list[tuple[str | None, str]], str]:
         async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as client:
             healthy = asyncio.create_task(
                 client.post("/v1/completions", json=completion("healthy", "fine", max_tokens=200))
             )
             events: list[tuple[str | None, str]] = []
-            started = time.monotonic()
             body = completion("faulty", f"<<{fault}>> go", stream=True)
             async with client.stream("POST", "/v1/completions", json=body) as response:
                 assert response.status_code == 200
@@ -104,31 +124,34 @@ def test_worker_death_mid_stream_ends_with_error_event(gateway: GatewayProcess, 
                     elif line.startswith("data: "):
                         events.append((event, line[6:]))
                         event = None
-            elapsed = time.monotonic() - started
             healthy_reply = await healthy
-            return events, elapsed, healthy_reply.json()["choices"][0]["finish_reason"]
+            return events, healthy_reply.json()["choices"][0]["finish_reason"]
 
-    events, elapsed, healthy_finish = asyncio.run(scenario())
-    assert elapsed < 2.0 + 1.0  # the fault fires after 10 steps; the error must follow within 2 s
+    events, healthy_finish = asyncio.run(scenario())
     assert events[-1] == (None, "[DONE]")
     kind, payload = events[-2]
     assert kind == "error"
-    assert json.loads(payload)["error"]["code"] == "worker_failed"
+    error = json.loads(payload)["error"]
+    assert error["code"] == "worker_failed"
+    # The stream ended because the death itself was seen (the process exit, or the worker's own
+    # report), not because a watchdog or a deadline fired later: the error names the cause.
+    # (This replaces a wall-clock bound, which a loaded CI machine can break.)
+    expected = "RuntimeError: injected engine fault" if fault == "crash" else "killed by signal 11"
+    assert expected in error["message"], error
     assert healthy_finish == "length"  # the other model never noticed
     info = wait_ready(gateway, "faulty")
-    assert info["restarts"] == restarts_before + 1  # type: ignore[operator]
+    assert info["restarts"] == restarts_before + 1
     # The cause stays visible after the restart: the engine's own error, or the signal.
-    expected = "RuntimeError: injected engine fault" if fault == "crash" else "killed by signal 11"
     assert expected in str(info["last_error"]), info
 
 
 def test_worker_death_before_stream_is_503(gateway: GatewayProcess) -> None:
     wait_ready(gateway, "faulty")
-    started = time.monotonic()
     response = httpx.post(gateway.url + "/v1/completions", json=completion("faulty", "<<crash>>"), timeout=30)
     assert response.status_code == 503
+    # No wall-clock bound: the worker's death ends the request (a hang would show as the client's
+    # 30 s timeout). Which watchdog names the cause is checked in the mid-stream test above.
     assert response.json()["error"]["code"] == "worker_failed"
-    assert time.monotonic() - started < 3.0
     wait_ready(gateway, "faulty")
 
 
@@ -145,26 +168,32 @@ def test_hung_or_wedged_worker_is_killed_and_restarted(
     assert response.status_code == 503
     assert re.search(reason, response.json()["error"]["message"])
     info = wait_ready(gateway, "faulty")
-    assert info["restarts"] == restarts + 1  # type: ignore[operator]
+    assert info["restarts"] == restarts + 1
 
 
 def test_full_queue_is_refused_fast_and_accepted_requests_finish(gateway: GatewayProcess) -> None:
     wait_ready(gateway, "faulty")
 
-    async def scenario() -> tuple[list[int], float, dict[str, str]]:
+    async def scenario() -> tuple[list[int], dict[str, str]]:
         async with httpx.AsyncClient(base_url=gateway.url, timeout=60) as client:
             body = completion("faulty", "<<slow>> hold", max_tokens=40)
             holders = [asyncio.create_task(client.post("/v1/completions", json=body)) for _ in range(6)]
-            await asyncio.sleep(0.5)  # 4 slots taken, 2 queued in the gateway
-            started = time.monotonic()
+
+            async def full() -> bool:
+                view = (await client.get("/admin/workers")).json()
+                in_flight = next(w["in_flight"] for w in view["workers"] if w["model"] == "faulty")
+                return bool(in_flight == 4 and view["models"]["faulty"]["queue_depth"] == 2)
+
+            await async_wait_until(full, "4 slots taken and 2 requests queued in the gateway")
             refused = await client.post("/v1/completions", json=completion("faulty", "one too many"))
-            elapsed = time.monotonic() - started
+            # Refused at once: before the queue moved, i.e. before any holder (40 slow steps,
+            # one at a time) ended. Event order instead of a wall-clock bound.
+            assert not any(h.done() for h in holders), "a holder finished before the refusal came"
             statuses = [r.status_code for r in await asyncio.gather(*holders)]
             assert refused.status_code == 429, refused.text
-            return statuses, elapsed, dict(refused.headers)
+            return statuses, dict(refused.headers)
 
-    statuses, elapsed, headers = asyncio.run(scenario())
-    assert elapsed < 0.1
+    statuses, headers = asyncio.run(scenario())
     assert headers["retry-after"] == "1"
     assert statuses == [200] * 6
 
@@ -172,8 +201,8 @@ def test_full_queue_is_refused_fast_and_accepted_requests_finish(gateway: Gatewa
 @pytest.mark.parametrize("stream", [False, True])
 def test_deadline_cancels_the_job(gateway: GatewayProcess, stream: bool) -> None:
     wait_ready(gateway, "faulty")
+    before = next(w for w in wait_all_idle(gateway) if w["model"] == "faulty")["stats"]
     body = completion("faulty", "<<slow>> late", timeout=1.0, stream=stream)
-    started = time.monotonic()
     with httpx.stream("POST", gateway.url + "/v1/completions", json=body, timeout=30) as response:
         if stream:
             assert response.status_code == 200
@@ -184,11 +213,11 @@ def test_deadline_cancels_the_job(gateway: GatewayProcess, stream: bool) -> None
             response.read()
             assert response.status_code == 408
             assert response.json()["error"]["code"] == "request_timeout"
-    assert time.monotonic() - started < 2.5
-    deadline = time.monotonic() + 2
-    while worker(gateway, "faulty")["active_jobs"] and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert worker(gateway, "faulty")["active_jobs"] == 0
+    # The job was cancelled, not left to run its 400 slow steps: the worker counts it so, whenever
+    # its heartbeat says it is idle (no time limit to guess).
+    stats = wait_worker(gateway, "faulty", "to be idle", is_idle)["stats"]
+    assert stats["jobs_cancelled"] == before["jobs_cancelled"] + 1, stats
+    assert stats["jobs_finished"] == before["jobs_finished"], stats
 
 
 def test_keepalive_comments_while_waiting_in_worker_queue(gateway: GatewayProcess) -> None:
@@ -200,7 +229,13 @@ def test_keepalive_comments_while_waiting_in_worker_queue(gateway: GatewayProces
             blocker = asyncio.create_task(
                 client.post("/v1/completions", json=completion("faulty", "<<slow>> first", max_tokens=60))
             )
-            await asyncio.sleep(0.3)
+
+            async def first_placed() -> bool:
+                workers = (await client.get("/admin/workers")).json()["workers"]
+                return bool(next(w["in_flight"] for w in workers if w["model"] == "faulty") == 1)
+
+            # Its Generate went out first on the one socket to the worker, so it has the batch slot.
+            await async_wait_until(first_placed, "the first request to be placed")
             seen: list[tuple[str | None, str]] = []
             body = completion("faulty", "second", max_tokens=5, stream=True)
             async with client.stream("POST", "/v1/completions", json=body) as response:
@@ -240,19 +275,16 @@ def test_disconnect_storm_leaves_no_jobs(gateway: GatewayProcess) -> None:
     async def storm() -> None:
         async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as client:
             tasks = [asyncio.create_task(one(client, i)) for i in range(24)]
+            # Part of the storm, not a wait for an event: these clients give up wherever their
+            # request got to in this moment (most before they are even admitted).
             await asyncio.sleep(0.05)
-            # Some clients give up before they are even admitted.
             for task in tasks[::5]:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
+    finished_before = {w["id"]: w["stats"]["jobs_finished"] for w in wait_all_idle(gateway)}
     asyncio.run(storm())
-    deadline = time.monotonic() + 3
-    while time.monotonic() < deadline:
-        workers = gateway.workers()
-        if all(w["active_jobs"] == 0 and w["queued_jobs"] == 0 and w["in_flight"] == 0 for w in workers):
-            break
-        time.sleep(0.1)
-    assert all(w["active_jobs"] == 0 and w["queued_jobs"] == 0 and w["in_flight"] == 0 for w in workers), (
-        workers
-    )
+    workers = wait_all_idle(gateway)
+    # No job ran on to its end (1500 tokens, and every client left early): each was cancelled. So a
+    # leaked job fails this however long the wait above took.
+    assert {w["id"]: w["stats"]["jobs_finished"] for w in workers} == finished_before, workers

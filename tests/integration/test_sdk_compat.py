@@ -126,6 +126,25 @@ def test_prompt_forms_echo_and_user(client: openai.OpenAI, demo_model_dir: Path)
     assert echoed.choices[0].text == PROMPT + by_text.choices[0].text
 
 
+def test_usage_counts_each_prompt_of_a_list_once(client: openai.OpenAI, demo_model_dir: Path) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(demo_model_dir)
+    # Two different prompts of the same length (3 tokens each): their usage is 6, not 3.
+    first, second = tokenizer.encode(PROMPT)[:3], tokenizer.encode("Once upon a time")[:3]
+    assert first != second and len(first) == len(second) == 3
+    request = {"model": "m", "prompt": [first, second], "max_tokens": 2, "temperature": 0,
+               "extra_body": {"ignore_eos": True}}  # fmt: skip
+    usage = client.completions.create(**request).usage  # type: ignore[call-overload]
+    assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (6, 4, 10)
+    # n choices share their prompt: each prompt still counts once, each choice's tokens count.
+    usage = client.completions.create(**request, n=3).usage  # type: ignore[call-overload]
+    assert (usage.prompt_tokens, usage.completion_tokens) == (6, 12)
+    stream = client.completions.create(  # type: ignore[call-overload]
+        **request, n=2, stream=True, stream_options={"include_usage": True}
+    )
+    last = list(stream)[-1]
+    assert last.choices == [] and (last.usage.prompt_tokens, last.usage.completion_tokens) == (6, 8)
+
+
 def test_logprobs(client: openai.OpenAI) -> None:
     chat = client.chat.completions.create(
         model="m", messages=[{"role": "user", "content": "hi"}], max_completion_tokens=6, temperature=0,

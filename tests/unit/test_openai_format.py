@@ -109,9 +109,23 @@ def test_n_choices_share_their_prompt_in_usage_and_keep_their_indices() -> None:
     assert body["usage"]["prompt_tokens"] == 4 and body["usage"]["completion_tokens"] == 4
     usage = decode(formatter.usage_chunk([c.output for c in choices]))
     assert usage["choices"] == [] and usage["usage"]["total_tokens"] == 8
-    # Different prompts (a list of prompts): their tokens add up.
-    choices[1].output.prompt_tokens = 6
-    assert formatter.final_body(choices)["usage"]["prompt_tokens"] == 10
+
+
+def test_usage_counts_each_prompt_once_whatever_n_and_their_lengths() -> None:
+    formatter = ResponseFormatter("id", "m", chat=False)
+    # Two prompts of the same length, n=2 each: choices 0, 1 answer prompt 0 and 2, 3 prompt 1.
+    choices = [
+        Choice(None, i, ChoiceInput(prompt=f"p{i // 2}", prompt_index=i // 2), SamplingParams())  # type: ignore[arg-type]
+        for i in range(4)
+    ]
+    for chosen in choices:
+        chosen.output.add(JobOutput("r", "x", [1], FinishReason.LENGTH, Usage(3, 1, cached_tokens=1)))
+    usage = formatter.final_body(choices)["usage"]
+    assert (usage["prompt_tokens"], usage["completion_tokens"], usage["total_tokens"]) == (6, 4, 10)
+    assert usage["prompt_tokens_details"] == {"cached_tokens": 2}
+    # Prompts of different lengths add up; a choice not accepted yet (0 tokens) takes its sibling's.
+    choices[2].output.prompt_tokens, choices[3].output.prompt_tokens = 0, 5
+    assert formatter.final_body(choices)["usage"]["prompt_tokens"] == 8
 
 
 def test_error_event_and_done_framing() -> None:

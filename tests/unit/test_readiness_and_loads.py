@@ -19,7 +19,7 @@ from gateway.http.health_routes import gateway_ready
 from gateway.serving.router import ModelRoute
 from gateway.workers.handle import WorkerHandle
 from gateway.workers.loads import LoadGate, LoadRefused
-from tests.harness import REPO_ROOT
+from tests.harness import REPO_ROOT, async_wait_until, settle
 from wire.states import WorkerState
 
 S = WorkerState
@@ -113,11 +113,11 @@ def test_load_slots_are_held_until_a_worker_leaves_the_startup_states(tmp_path: 
         await gate.before_spawn(a)
         order.append("a got its slot")
         waiting = asyncio.create_task(gate.before_spawn(b))
-        await asyncio.sleep(0.05)
-        assert not waiting.done() and b.detail == "waiting for a free load slot"
+        await async_wait_until(lambda: b.detail == "waiting for a free load slot", "b to wait for a slot")
+        assert not waiting.done()
         a.move_to(S.LOADING, "")
         gate.after_state(a)  # still starting up: keeps the slot
-        await asyncio.sleep(0.05)
+        await settle()
         assert not waiting.done()
         a.move_to(S.WARMING, "")
         a.move_to(S.READY, "")

@@ -27,6 +27,7 @@ from gateway.serving.router import ModelRoute
 from gateway.serving.service import GenerationService
 from gateway.serving.worker_link import WorkerLink
 from gateway.workers.handle import WorkerHandle
+from tests.harness import async_wait_until
 from wire import messages as wire
 from wire.params import SamplingParams
 from wire.results import AbortReason, FinishReason, JobOutput, RejectCode, Usage
@@ -60,16 +61,15 @@ class Peer:
                 await self.send(wire.Accepted(message.rid, 3))
         return got
 
-    async def cancels(self) -> set[str]:
-        """Cancels that arrive within a short while."""
+    async def cancels(self, link: WorkerLink, worker_id: str) -> set[str]:
+        """Every Cancel the link sent this worker so far: a marker sent after them arrives after
+        them (one socket keeps its order), so no quiet period has to be guessed."""
+        link.send(worker_id, wire.Reintroduce())
         rids = set()
-        while True:
-            try:
-                message = await self.receive(0.3)
-            except asyncio.TimeoutError:
-                return rids
+        while not isinstance(message := await self.receive(5.0), wire.Reintroduce):
             assert isinstance(message, wire.Cancel), message
             rids.add(message.rid)
+        return rids
 
 
 @dataclass
@@ -91,6 +91,9 @@ class Rig:
         return self.service.open(self.route, [ChoiceInput(prompt="hi")] * n, sampling,
                                  loop.time() + deadline_s, recorder, streaming)  # fmt: skip
 
+    async def cancels(self, worker_id: str = "w0") -> set[str]:
+        return await self.peers[worker_id].cancels(self.link, worker_id)
+
     def assert_all_released(self) -> None:
         assert all(r.in_flight == 0 and r.outstanding_tokens == 0 for r in self.route.replicas)
         assert not self.link.jobs_of("w0") and not self.link.jobs_of("w1")
@@ -106,7 +109,8 @@ class Rig:
 @asynccontextmanager
 async def rig(tmp_path: Path, ready: tuple[str, ...] = ("w0",), **service: float) -> AsyncIterator[Rig]:
     endpoint = f"ipc://{tmp_path}/workers.sock"
-    link = WorkerLink(endpoint, lambda worker_id, message, remote: None)
+    hellos: set[str] = set()
+    link = WorkerLink(endpoint, lambda worker_id, message, remote: hellos.add(worker_id))
     await link.start()
     config = ModelConfig(name="m", engine="transformers", path=Path("x"), replicas=2,
                          limits=ModelLimits(max_concurrent_jobs=4))  # fmt: skip
@@ -119,7 +123,7 @@ async def rig(tmp_path: Path, ready: tuple[str, ...] = ("w0",), **service: float
     peers = {h.id: Peer(ctx, endpoint, h.id) for h in handles}
     for worker_id, peer in peers.items():  # the ROUTER learns each identity from its first frame
         await peer.send(wire.Hello(wire.PROTOCOL_VERSION, worker_id, 1))
-    await asyncio.sleep(0.05)
+    await async_wait_until(lambda: hellos == set(peers), "the link to hear each peer's Hello")
     generation = GenerationService(link, service.get("keepalive_s", 15.0), service.get("stall_s", 30.0))
     generation.start()
     try:
@@ -165,7 +169,7 @@ def test_a_request_runs_to_its_end_and_gives_everything_back(tmp_path: Path) -> 
             assert [(i, o.text) for i, o in events] == [(0, "a"), (1, "b"), (0, "c"), (1, "d")]
             assert [c.output.text for c in owner.choices] == ["ac", "bd"]
             assert owner.outcome == 200 and r.status() == 200
-            assert await r.peers["w0"].cancels() == set()  # nothing to cancel: both finished
+            assert await r.cancels() == set()  # nothing to cancel: both finished
             r.assert_all_released()
 
     asyncio.run(scenario())
@@ -181,13 +185,13 @@ def test_client_disconnect_cancels_every_unfinished_job(tmp_path: Path, when: st
             generates = await r.peers["w0"].generates(2, accept=mid_stream)
             if mid_stream:
                 await r.peers["w0"].send(wire.Step([output(generates[0].rid, "x", FinishReason.STOP)]))
-                await asyncio.sleep(0.1)
+                await async_wait_until(lambda: owner.choices[0].finished, "choice 0 to finish")
             handler.cancel()  # what Quart does when the client goes away
             with pytest.raises(asyncio.CancelledError):
                 await handler
             # Mid-stream the finished choice needs no Cancel; waiting, both were sent and are cancelled.
             expected = {generates[1].rid} if mid_stream else {g.rid for g in generates}
-            assert await r.peers["w0"].cancels() == expected
+            assert await r.cancels() == expected
             assert owner.outcome == 499 and r.status() == 499
             r.assert_all_released()
 
@@ -203,7 +207,7 @@ def test_deadline_ends_the_stream_and_cancels(tmp_path: Path) -> None:
             await r.peers["w0"].send(wire.Accepted(generate.rid, 3))
             with pytest.raises(RequestTimeout):
                 await asyncio.wait_for(handler, 2)
-            assert await r.peers["w0"].cancels() == {generate.rid}
+            assert await r.cancels() == {generate.rid}
             assert owner.outcome == 408
             r.assert_all_released()
 
@@ -218,7 +222,7 @@ def test_worker_death_ends_the_stream_with_worker_failed(tmp_path: Path) -> None
             (generate,) = await r.peers["w0"].generates(1)
             await r.peers["w0"].send(wire.Accepted(generate.rid, 3))
             await r.peers["w0"].send(wire.Step([output(generate.rid, "x")]))
-            await asyncio.sleep(0.05)
+            await async_wait_until(lambda: owner.choices[0].output.text == "x", "the handler to read 'x'")
             r.link.fail_worker("w0", WorkerFailed("the worker for model 'm' failed: killed by signal 9"))
             with pytest.raises(WorkerFailed, match="killed by signal 9"):
                 await asyncio.wait_for(handler, 2)
@@ -267,7 +271,7 @@ def test_a_refused_job_is_an_http_error_before_any_stream(tmp_path: Path) -> Non
                 await asyncio.wait_for(handler, 2)
             assert refused.value.code == "context_length_exceeded" and refused.value.param == "messages"
             assert owner.outcome == 400
-            assert await r.peers["w0"].cancels() == {other.rid}  # the other choice is called off
+            assert await r.cancels() == {other.rid}  # the other choice is called off
             r.assert_all_released()
 
     asyncio.run(scenario())
@@ -281,7 +285,7 @@ def test_shutdown_ends_streams_with_shutting_down(tmp_path: Path, who: str) -> N
             handler = asyncio.create_task(consume(owner))
             (generate,) = await r.peers["w0"].generates(1)
             await r.peers["w0"].send(wire.Accepted(generate.rid, 3))
-            await asyncio.sleep(0.05)
+            await async_wait_until(lambda: owner.admitted, "the request to be admitted")
             if who == "gateway shuts down":
                 r.service.abort_all(ServiceUnavailable("the server is shutting down", code="shutting_down"))
             else:
@@ -305,7 +309,7 @@ def test_a_client_that_stops_reading_is_dropped_by_the_ticker(tmp_path: Path) ->
             async def handler() -> None:  # admits, then never reads
                 try:
                     await owner.admit()
-                    await asyncio.sleep(30)
+                    await asyncio.Event().wait()  # never set: only the dropped connection ends this
                 finally:
                     owner.close()
 
@@ -315,7 +319,7 @@ def test_a_client_that_stops_reading_is_dropped_by_the_ticker(tmp_path: Path) ->
             await r.peers["w0"].send(wire.Step([output(generate.rid, "unread")]))
             with pytest.raises(asyncio.CancelledError):
                 await asyncio.wait_for(task, 2)  # the connection is dropped
-            assert await r.peers["w0"].cancels() == {generate.rid}
+            assert await r.cancels() == {generate.rid}
             assert owner.outcome == 503
             r.assert_all_released()
 
@@ -343,26 +347,32 @@ def test_frames_about_a_job_count_only_from_the_worker_that_holds_it(tmp_path: P
 def test_quiet_streams_get_keepalives_and_non_streams_do_not(tmp_path: Path) -> None:
     async def scenario() -> None:
         async with rig(tmp_path, keepalive_s=0.1) as r:
-            for streaming in (True, False):
-                owner = r.open(streaming=streaming)
-                seen: list[Any] = []
+            # Both requests are quiet over the same ticks: the non-streamed one opens first, so each
+            # tick that finds the streamed one quiet finds it quiet too. No window of time to guess.
+            owners = {streaming: r.open(streaming=streaming) for streaming in (False, True)}
+            seen: dict[bool, list[Any]] = {False: [], True: []}
 
-                async def handler(owner: RequestOwner = owner, seen: list[Any] = seen) -> None:
-                    try:
-                        await owner.admit()
-                        async for event in owner.events():
-                            seen.append(event)
-                    finally:
-                        owner.close()
+            async def handler(streaming: bool) -> None:
+                owner = owners[streaming]
+                try:
+                    await owner.admit()
+                    async for event in owner.events():
+                        seen[streaming].append(event)
+                finally:
+                    owner.close()
 
-                task = asyncio.create_task(handler())
-                (generate,) = await r.peers["w0"].generates(1)
-                await r.peers["w0"].send(wire.Accepted(generate.rid, 3))
-                await asyncio.sleep(0.5)
+            tasks = [asyncio.create_task(handler(streaming)) for streaming in (False, True)]
+            generates = await r.peers["w0"].generates(2, accept=True)
+
+            def keepalives(streaming: bool) -> int:
+                return sum(1 for e in seen[streaming] if e is KEEPALIVE)
+
+            await async_wait_until(lambda: keepalives(True) >= 2, "two keepalives on the quiet stream")
+            for generate in generates:
                 await r.peers["w0"].send(wire.Step([output(generate.rid, "late", FinishReason.STOP)]))
-                await asyncio.wait_for(task, 2)
-                keepalives = sum(1 for e in seen if e is KEEPALIVE)
-                assert (keepalives >= 2) if streaming else (keepalives == 0), (streaming, seen)
+            await asyncio.wait_for(asyncio.gather(*tasks), 2)
+            assert keepalives(False) == 0, seen[False]
+            assert [o.text for _, o in (e for e in seen[False] if e is not KEEPALIVE)] == ["late"]
             r.assert_all_released()
 
     asyncio.run(scenario())
@@ -386,8 +396,8 @@ def test_an_abort_ends_an_admission_waiting_for_a_slot(tmp_path: Path) -> None:
             (generate,) = await r.peers["w0"].generates(1, accept=True)
             queued = r.open()
             waiting = asyncio.create_task(consume(queued))
-            await asyncio.sleep(0.1)
-            assert r.route.waiting == 1 and not queued.admitted
+            await async_wait_until(lambda: r.route.waiting == 1, "the second request to queue for the slot")
+            assert not queued.admitted
             removed = ServiceUnavailable("model 'm' was removed by a reload", code="model_removed")
             assert r.service.abort_queued("m", removed) == 1  # the running request is not touched
             with pytest.raises(ServiceUnavailable) as ended:
@@ -400,7 +410,7 @@ def test_an_abort_ends_an_admission_waiting_for_a_slot(tmp_path: Path) -> None:
             assert r.service.abort_on_worker("w0", reloading) == 1
             with pytest.raises(ServiceUnavailable, match="reloading"):
                 await asyncio.wait_for(holding, 1)
-            assert await r.peers["w0"].cancels() == {generate.rid}
+            assert await r.cancels() == {generate.rid}
             r.assert_all_released()
 
     asyncio.run(scenario())
@@ -419,18 +429,18 @@ def test_queued_outputs_come_out_as_one_batch_and_an_abort_still_delivers_them(t
             # Both choices' outputs of one step, then a second step, all queued before reading.
             await r.peers["w0"].send(wire.Step([output(first, "a"), output(second, "b")]))
             await r.peers["w0"].send(wire.Step([output(first, "c")]))
-            await asyncio.sleep(0.1)
+            await async_wait_until(lambda: owner.queue.qsize() == 3, "three outputs queued")
             batch = await asyncio.wait_for(batches.__anext__(), 1)
             assert [(i, o.text) for i, o in batch] == [(0, "a"), (1, "b"), (0, "c")]
             await r.peers["w0"].send(wire.Step([output(second, "d")]))
-            await asyncio.sleep(0.1)
+            await async_wait_until(lambda: owner.queue.qsize() == 1, "the fourth output queued")
             owner.abort(ServiceUnavailable("stop", code="shutting_down"))
             batch = await asyncio.wait_for(batches.__anext__(), 1)
             assert [(i, o.text) for i, o in batch] == [(1, "d")]
             with pytest.raises(ServiceUnavailable):
                 await batches.__anext__()
             owner.close()
-            assert await r.peers["w0"].cancels() == {first, second}
+            assert await r.cancels() == {first, second}
             r.assert_all_released()
 
     asyncio.run(scenario())
