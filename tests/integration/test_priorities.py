@@ -8,14 +8,13 @@ the order in which they start is the order they finish in, since only one runs a
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.harness import GatewayProcess
+from tests.harness import GatewayProcess, wait_until
 from tests.integration.conftest import demo_entry, write_registry
 
 
@@ -40,11 +39,11 @@ def queue_depth(gateway: GatewayProcess) -> float:
 
 
 def wait_for_depth(gateway: GatewayProcess, depth: int, threads: list[threading.Thread]) -> None:
-    deadline = time.monotonic() + 60
-    while queue_depth(gateway) < depth:
+    def reached() -> bool:
         assert all(t.is_alive() for t in threads), "a queued request ended before its turn"
-        assert time.monotonic() < deadline, f"the queue never reached {depth}"
-        time.sleep(0.05)
+        return queue_depth(gateway) >= depth
+
+    wait_until(reached, f"{depth} requests wait in the queue", context=gateway.log)
 
 
 def test_higher_classes_leave_a_full_queue_first(one_slot_gateway: GatewayProcess) -> None:
@@ -62,11 +61,13 @@ def test_higher_classes_leave_a_full_queue_first(one_slot_gateway: GatewayProces
     holder = threading.Thread(target=send, args=("holder", None, 200))
     holder.start()
     threads = [holder]
-    # The holder is running once it is no longer in the queue and the worker reports a job.
-    deadline = time.monotonic() + 60
-    while not any(w["in_flight"] for w in one_slot_gateway.workers()):
-        assert time.monotonic() < deadline and holder.is_alive(), "the first request never started"
-        time.sleep(0.05)
+
+    # The holder is running once the worker holds its slot.
+    def holder_runs() -> bool:
+        assert holder.is_alive(), "the first request ended early"
+        return any(w["in_flight"] for w in one_slot_gateway.workers())
+
+    wait_until(holder_runs, "the first request holds the only slot", context=one_slot_gateway.log)
     for depth, (name, priority) in enumerate([("low", "low"), ("normal", "normal"), ("high", "high")], 1):
         thread = threading.Thread(target=send, args=(name, priority, 4))
         thread.start()

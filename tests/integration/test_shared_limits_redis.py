@@ -11,15 +11,14 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from tests.harness import GatewayProcess, free_port
+from tests.harness import GatewayProcess, free_port, wait_until
 from tests.integration.conftest import demo_entry, write_registry
 
 LIMITED = "limited-0123456789abcd"  # 3 requests a minute, across both gateways
@@ -82,16 +81,6 @@ class RedisServer:
             self.process.terminate()
             self.process.wait(10)
             self.process = None
-
-
-def wait_until(predicate: Callable[[], Any], what: str, timeout: float = 30.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"timed out waiting until {what}"
-        time.sleep(0.05)
 
 
 @pytest.fixture(scope="module")
