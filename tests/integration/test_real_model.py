@@ -9,7 +9,8 @@ something.
 
 SmolLM2's own template renders no tools: the gateway refuses `tools` for it (400, param tools).
 `smollm2-tools` serves the same folder with config/templates/smollm2-tools.jinja, its template
-with Hermes-style tools added; it loads on demand, so only the tool test pays for its worker.
+with Hermes-style tools added. Each worker runs one thread, so a 2-core machine loads and warms up
+the two side by side.
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ def gateway(tmp_path_factory: pytest.TempPathFactory, real_model_dir: Path) -> I
         tmp_path_factory.mktemp("real") / "models.yaml",
         [
             demo_entry("smollm2", real_model_dir, threads=1, max_seq_len=512),
-            demo_entry("smollm2-tools", real_model_dir, threads=1, max_seq_len=512, load="on_demand",
+            demo_entry("smollm2-tools", real_model_dir, threads=1, max_seq_len=512,
                        chat_template=str(TOOLS_TEMPLATE), tool_call_parser="hermes"),
         ],
     )  # fmt: skip
