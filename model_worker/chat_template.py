@@ -1,8 +1,9 @@
 """Chat template rendering with Hugging Face's semantics, in a sandboxed Jinja2 environment.
 
-Runs in the worker process, which owns the tokenizer files. Reads `chat_template`, `bos_token`
-and `eos_token` from the model's tokenizer_config.json unless the registry overrides the
-template (inline text or a file path).
+Runs in the worker process, which owns the tokenizer files. Reads `bos_token` and `eos_token`
+from the model's tokenizer_config.json, and the template from `chat_template.jinja` (where
+transformers 5 saves it) or else tokenizer_config.json's `chat_template`, unless the registry
+overrides the template (inline text or a file path).
 """
 
 from __future__ import annotations
@@ -98,6 +99,9 @@ class ChatTemplate:
         if isinstance(source, list):  # newer HF files hold named templates
             named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
             source = named.get("default")
+        template_file = Path(model_dir) / "chat_template.jinja"
+        if template_file.is_file():  # as in transformers, the separate file wins over the config entry
+            source = template_file.read_text(encoding="utf-8")
         if override:
             override_path = Path(override)
             is_file = "{" not in override and override_path.is_file()

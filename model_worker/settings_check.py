@@ -5,22 +5,32 @@ Runs as a short-lived process that the gateway starts at config time (`gateway s
 importing the worker package; remote workers call `check_model` in-process. Imports no torch.
 
 stdin: {"base_dir": str, "models": [{"name", "engine", "max_seq_len", "gpu_counts": [int, ...],
-         "local": bool, "engine_settings": {...}}]}
+         "local": bool, "path": str (optional), "engine_settings": {...}}]}
 stdout: {"models": [{"name", "errors": [{"field", "message"}], "engine_settings": {...},
-          "weight_dirs": [str, ...], "reserve_vram_gb": float}]}
+          "weight_dirs": [str, ...], "reserve_vram_gb": float, "notes": [str, ...]}]}
 Field names in errors are relative to the model entry (e.g. "engine_settings.cache_size").
+An engine may also read what it needs from a local model folder (FOLDER_CHECKS): a folder it
+would misread is an error here, not a quietly wrong model later.
 """
 
 from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
 
 from model_worker.engines import registry
 from model_worker.engines.base import EngineSettings
+from model_worker.engines.exllamav2 import rope as exllamav2_rope
+
+# engine -> (model folder -> (errors, notes)); pure file reads, no torch.
+FOLDER_CHECKS: dict[str, Callable[[Path], tuple[list[dict[str, str]], list[str]]]] = {
+    "exllamav2": exllamav2_rope.folder_report,
+}
 
 
 def _errors(exc: ValidationError) -> list[dict[str, str]]:
@@ -54,6 +64,13 @@ def check_model(model: dict[str, Any], base_dir: str | None) -> tuple[EngineSett
             {"field": "gpus", "message": f"the {entry.name} engine needs at least one GPU"}
         )
         return None, report
+    folder_check = FOLDER_CHECKS.get(entry.name)
+    if folder_check is not None and model.get("local") and model.get("path"):
+        errors, notes = folder_check(Path(str(model["path"])))
+        if errors:
+            report["errors"] = errors
+            return None, report
+        report["notes"] = notes
     report["engine_settings"] = settings.model_dump(mode="json")
     report["weight_dirs"] = [str(p) for p in settings.weight_dirs()]
     report["reserve_vram_gb"] = settings.reserved_vram_gb()

@@ -14,9 +14,15 @@
 # Logs go to $OUT (default /tmp/gpu-out).
 #
 #   GPU_RUN_STAGES    stages, in order (default "tests bench-v2 bench-v3"); also "two-gpus" (tests
-#                     and benchmark that need two GPUs), "spec" (speculative decoding), or a pytest
-#                     path such as "tests/gpu/test_batching.py"
+#                     and benchmark that need two GPUs), "spec" (speculative decoding), "real-model"
+#                     (train a small Llama here, convert it to EXL2 and EXL3, and test it against
+#                     transformers: tests/gpu/test_real_model_gpu.py), "quant-bench" (see
+#                     QUANT_PRESET), or a pytest path such as
+#                     "tests/gpu/test_batching.py"
 #   GPU_RUN_BUDGET_S  wall-clock budget in seconds; stages are cut to fit (default 540)
+#   TRAIN_SECONDS     real-model: how long the model trains (default 120)
+#   QUANT_PRESET      quant-bench: the demo shape converted to 4 bpw EXL2 and EXL3 and benchmarked
+#                     (default 1b; llama3-8b where its conversions fit the run)
 # A py-spy wheel in .tools/ (optional) makes the benchmarks profile one round of each path.
 set -uo pipefail
 
@@ -75,12 +81,16 @@ say "setup done"
 export GPU_TEST_TINY_MODEL=/tmp/models/tiny-gpu GPU_TEST_TINY_MODEL_B=/tmp/models/tiny-gpu-b
 export GPU_TEST_BIG_MODEL=/tmp/models/llama3-8b GPU_TEST_RESULTS=$OUT/results.jsonl
 export GPU_TEST_REQUIRE=exllamav2-paged,exllamav2-unpaged,exllamav3
+# The 8B shape (16 GB, ~25 s to write) only for stages that use it: real-model and quant-bench make their own.
+[[ -z $(printf '%s\n' $stages | grep -vxE 'real-model|quant-bench') ]] && export GPU_RUN_SKIP_BIG=1
 python3 - <<'EOF' || { say "model creation failed"; exit 1; }
 import os
 from pathlib import Path
 from gateway.demo.model import make_demo_model
 for env, preset, seed in (("GPU_TEST_TINY_MODEL", "tiny-gpu", 0), ("GPU_TEST_TINY_MODEL_B", "tiny-gpu", 1),
                           ("GPU_TEST_BIG_MODEL", "llama3-8b", 0)):
+    if env == "GPU_TEST_BIG_MODEL" and os.environ.get("GPU_RUN_SKIP_BIG"):
+        continue
     if not (Path(os.environ[env]) / "config.json").exists():
         make_demo_model(os.environ[env], preset=preset, seed=seed, device="cuda")
 EOF
@@ -109,11 +119,62 @@ run_bench() {  # name, cap seconds, bench_engines.py arguments...
         "${profile[@]}" "$@"
     status[$name]="rc=$?"
 }
+# Train (or find from an earlier run on this host) a small real model, convert it to ~4 bpw EXL2 and
+# EXL3 with the libraries' own converters, then test all of it through the gateway. Logs go where
+# the run's summary files collect them (/tmp/bench: service_logs.txt, bench.json, bench.md).
+real_model() {
+    local trained=/tmp/models/trained-llama-34m quantized=/tmp/models/quantized limit
+    mkdir -p /tmp/bench
+    if [[ ! -f $trained/train_report.json ]]; then
+        limit=$(allow $((${TRAIN_SECONDS:-120} + 90)))
+        say "stage real-model: training for ${TRAIN_SECONDS:-120}s (limit ${limit}s)"
+        timeout -k 10 "$limit" python3 scripts/train_small_llama.py "$trained" --seconds "${TRAIN_SECONDS:-120}" \
+            2>&1 | tee /tmp/bench/real-model-train.log
+        [[ -f $trained/train_report.json ]] || { status[real-model]="training failed"; return; }
+    fi
+    python3 -c "import json, sys; print(json.dumps({'test': 'trained model', **json.load(open(sys.argv[1]))}))" \
+        "$trained/train_report.json" >>"$GPU_TEST_RESULTS"
+    limit=$(allow 240)
+    say "stage real-model: converting (limit ${limit}s)"
+    timeout -k 10 "$limit" python3 scripts/convert_quantized.py "$trained" "$quantized" --bits 4.0 \
+        --cal-length 1024 --report /tmp/bench/convert_quantized.json 2>&1 | tee /tmp/bench/real-model-convert.log
+    python3 - "$GPU_TEST_RESULTS" <<'PY' || true
+import json, sys
+rows = json.load(open("/tmp/bench/convert_quantized.json"))
+with open(sys.argv[1], "a") as out:
+    for row in rows:
+        out.write(json.dumps({"test": f"convert {row['format']}", **{k: v for k, v in row.items() if k != "folder"}}) + "\n")
+PY
+    export GPU_TEST_TRAINED_MODEL=$trained
+    [[ -f $quantized/trained-llama-34m-exl2-4bpw/config.json ]] && export GPU_TEST_TRAINED_EXL2=$quantized/trained-llama-34m-exl2-4bpw
+    [[ -f $quantized/trained-llama-34m-exl3-4bpw/config.json ]] && export GPU_TEST_TRAINED_EXL3=$quantized/trained-llama-34m-exl3-4bpw
+    run_pytest real-model 300 tests/gpu/test_real_model_gpu.py
+}
 two_gpu_tests=(tests/gpu/test_mixed_registry.py tests/gpu/test_gateway_gpu.py::test_models_on_two_gpus_are_pinned
                tests/gpu/test_gateway_gpu.py::test_one_model_autosplit_over_two_gpus)
 for stage in $stages; do
     case $stage in
-        tests) run_pytest tests 420 tests/gpu --ignore tests/gpu/test_mixed_registry.py ;;
+        tests) run_pytest tests 420 tests/gpu --ignore tests/gpu/test_mixed_registry.py \
+                   --ignore tests/gpu/test_real_model_gpu.py ;;
+        real-model) real_model ;;
+        quant-bench)  # QUANT_PRESET (default 1b; llama3-8b if its conversions fit a run) at 4 bpw, benchmarked
+            preset=${QUANT_PRESET:-1b}
+            qmodel=/tmp/models/$preset
+            [[ -f $qmodel/config.json ]] || python3 -c "from gateway.demo.model import make_demo_model as m
+m('$qmodel', preset='$preset', seed=0, device='cuda')"
+            limit=$(allow 400)
+            say "stage quant-bench: converting $preset (limit ${limit}s)"
+            timeout -k 10 "$limit" python3 scripts/convert_quantized.py "$qmodel" /tmp/models/quantized --bits 4.0 \
+                --report "/tmp/bench/convert_$preset.json" 2>&1 | tee "/tmp/bench/quant-convert-$preset.log"
+            for fmt in exl2 exl3; do
+                folder=/tmp/models/quantized/$preset-$fmt-4bpw
+                engine=$([[ $fmt == exl2 ]] && echo exllamav2 || echo exllamav3)
+                if [[ -f $folder/config.json ]]; then
+                    run_bench "bench-$fmt" 200 --engine "$engine" --model "$folder" --paths raw,gateway
+                else
+                    status[bench-$fmt]="skipped (no $fmt folder)"
+                fi
+            done ;;
         bench-v2) run_bench bench-v2 270 --engine exllamav2 --paths raw,engine,gateway ;;
         bench-v3) run_bench bench-v3 290 --engine exllamav3 ;;
         two-gpus)

@@ -5,18 +5,24 @@ settings models live with their engines in the worker package, which the gateway
 so this runs `python -m model_worker.settings_check` once per registry (no torch is imported
 there; it takes well under a second) and maps its answer back: errors become ConfigError lines
 that name the file, the model and the field; valid settings come back normalized (defaults filled
-in, paths absolute), with the extra weight folders and VRAM reserve that placement needs.
+in, paths absolute), with the extra weight folders and VRAM reserve that placement needs. Local
+model folders are read there too where an engine needs it (exllamav2 and transformers 5's nested
+`rope_parameters`): a folder the engine would misread is refused, and what the engine will do
+about it is logged as a note.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 from gateway.config.registry import ConfigError, ModelConfig
+
+logger = logging.getLogger(__name__)
 
 CHECK_TIMEOUT_S = 60.0
 
@@ -31,6 +37,7 @@ def _request(models: list[ModelConfig], base_dir: Path) -> dict[str, Any]:
                 "max_seq_len": m.max_seq_len,
                 "gpu_counts": [len(m.gpus_of_replica(r)) for r in range(m.replicas)],
                 "local": not m.remote,
+                "path": str(m.path),
                 "engine_settings": m.engine_settings,
             }
             for m in models
@@ -72,6 +79,8 @@ def apply_engine_checks(models: list[ModelConfig], source: Path) -> list[ModelCo
         raise ConfigError("\n".join(errors))
     checked = []
     for model, report in zip(models, reports, strict=True):
+        for note in report.get("notes") or []:
+            logger.info("%s: model %r: %s", source, model.name, note)
         copy = model.model_copy(update={"engine_settings": report["engine_settings"]})
         copy._weight_dirs = tuple(Path(p) for p in report.get("weight_dirs") or [])
         copy._reserve_vram_gb = float(report.get("reserve_vram_gb") or 0.0)

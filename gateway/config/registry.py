@@ -109,7 +109,11 @@ class ModelConfig(_Strict):
         default_factory=SamplingDefaults, description="Sampling defaults; a request's own values win."
     )
     limits: ModelLimits = Field(default_factory=ModelLimits, description="Admission, queue and deadlines.")
-    chat_template: str | None = Field(None, description="Inline Jinja template or a path to a file.")
+    chat_template: str | None = Field(
+        None,
+        description="Inline Jinja template or a path to a file, overriding the model's own: the folder's "
+        "chat_template.jinja (where transformers 5 saves it), else tokenizer_config.json's.",
+    )
     remote: bool = Field(False, description="Served only by workers that connect from other hosts.")
     load: Literal["startup", "on_demand"] = Field(
         "startup", description="on_demand: loaded at its first request, which waits (within its deadline)."

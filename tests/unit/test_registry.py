@@ -57,10 +57,13 @@ def test_valid_registry_resolves_relative_paths(tmp_path: Path) -> None:
 
 def test_shipped_registry_is_valid() -> None:
     registry = load_registry(REPO_ROOT / "config" / "models.yaml")
-    assert [m.name for m in registry.models] == ["demo-small", "demo-medium", "demo-embed"]
+    names = [m.name for m in registry.models]
+    assert names == ["smollm2-135m-instruct", "demo-small", "demo-medium", "demo-embed"]
     assert all(m.engine == "transformers" and m.gpus == [] for m in registry.models)
-    assert [m.task for m in registry.models] == ["generate", "generate", "embed"]
-    assert [m.tool_call_parser for m in registry.models] == ["hermes", "hermes", None]
+    assert [m.task for m in registry.models] == ["generate", "generate", "generate", "embed"]
+    assert [m.tool_call_parser for m in registry.models] == [None, "hermes", "hermes", None]
+    # The tools template its comment (and the README) names is there.
+    assert (REPO_ROOT / "config" / "templates" / "smollm2-tools.jinja").is_file()
 
 
 @pytest.mark.parametrize(

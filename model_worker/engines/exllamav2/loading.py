@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from model_worker.engines.base import ProgressCallback
+from model_worker.engines.exllamav2 import rope
 from model_worker.engines.exllamav2.settings import ExLlamaV2Settings
 
 logger = logging.getLogger(__name__)
@@ -27,6 +28,7 @@ def make_config(path: str) -> Any:
     import exllamav2.attn
 
     config = exllamav2.ExLlamaV2Config(path)
+    rope.apply_rope_parameters(config)  # what transformers 5 nests, exllamav2 0.3.2 would miss
     config.arch_compat_overrides()
     attn = exllamav2.attn
     flash = attn.has_flash_attn and not config.no_flash_attn
