@@ -145,6 +145,8 @@ def _absent(name: str) -> types.ModuleType:
     module = types.ModuleType(name)
 
     def refuse(attribute: str) -> Any:
+        if attribute.startswith("__"):  # module introspection (inspect, pickle) must see a plain module
+            raise AttributeError(attribute)
         raise ImportError(f"{name} is not installed: install it to convert with a parquet calibration file")
 
     module.__getattr__ = refuse  # type: ignore[method-assign]
