@@ -59,15 +59,15 @@ def wait_until(
     poll_s: float = _MAX_POLL_S,
 ) -> T:
     """Poll `predicate` until it returns something truthy, and return that. On timeout fail with
-    `what` (the event awaited, as a phrase), the last value and `context()` (e.g. `gateway.log`,
+    `what` (the event awaited, as a phrase), the last value and `context()` (e.g. `gateway.events`,
     whose tail is shown). Exceptions of `retry_on` count as "not yet"; any other propagates, so a
     predicate can fail fast (a process that died will not become ready). `poll_s` caps the pause
     between checks: lower it only for a predicate that records short-lived states on the way."""
     deadline = time.monotonic() + timeout
-    last: Any = None
-    for pause in _poll_intervals(poll_s):
+    pauses = _poll_intervals(poll_s)
+    while True:
         try:
-            last = predicate()
+            last: Any = predicate()
         except retry_on as exc:
             last = exc
         else:
@@ -75,8 +75,7 @@ def wait_until(
                 return last  # type: ignore[no-any-return]
         if time.monotonic() >= deadline:
             raise _timed_out(what, timeout, last, context)
-        time.sleep(pause)
-    raise AssertionError("unreachable")
+        time.sleep(next(pauses))
 
 
 @overload
@@ -115,10 +114,10 @@ async def async_wait_until(
     """wait_until for a test's event loop: the predicate may be a coroutine function, and the
     pauses let the loop run what the test waits for."""
     deadline = time.monotonic() + timeout
-    last: Any = None
-    for pause in _poll_intervals(poll_s):
+    pauses = _poll_intervals(poll_s)
+    while True:
         try:
-            last = predicate()
+            last: Any = predicate()
             if inspect.isawaitable(last):
                 last = await last
         except retry_on as exc:
@@ -128,8 +127,7 @@ async def async_wait_until(
                 return last
         if time.monotonic() >= deadline:
             raise _timed_out(what, timeout, last, context)
-        await asyncio.sleep(pause)
-    raise AssertionError("unreachable")
+        await asyncio.sleep(next(pauses))
 
 
 async def settle(turns: int = 20) -> None:
