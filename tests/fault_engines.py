@@ -74,7 +74,7 @@ class FaultyEngine(TransformersEngine):
             time.sleep(float(os.environ.get("FAULT_WARMUP_STEP_S", "0")))
         for rid, fault in list(self._faults.items()):
             self._steps_since_fault[rid] += 1
-            if fault == "slow":
+            if fault == "slow":  # the injected fault itself: a slow generator step
                 time.sleep(float(os.environ.get("FAULT_SLOW_STEP_S", "0.05")))
             if self._steps_since_fault[rid] < FAULT_AFTER_STEPS:
                 continue

@@ -18,6 +18,7 @@ from typing import Any
 
 import httpx
 
+from tests.harness import wait_until
 from wire.params import SamplingParams
 from wire.results import JobOutput, TokenLogprob
 
@@ -237,12 +238,10 @@ def stream_completion(
 
 
 def wait_idle(gateway: Any, timeout: float = 10.0) -> list[dict[str, Any]]:
-    """Poll /admin/workers until no worker holds an active or queued job; returns the last view."""
-    deadline = time.monotonic() + timeout
-    workers: list[dict[str, Any]] = []
-    while time.monotonic() < deadline:
-        workers = gateway.workers()
-        if all(w["active_jobs"] == 0 and w["queued_jobs"] == 0 for w in workers):
-            return workers
-        time.sleep(0.1)
-    raise AssertionError(f"workers still busy after {timeout}s: {workers}")
+    """Poll /admin/workers until no worker holds an active or queued job; returns that view."""
+
+    def idle() -> list[dict[str, Any]] | None:
+        workers: list[dict[str, Any]] = gateway.workers()
+        return workers if all(w["active_jobs"] == 0 and w["queued_jobs"] == 0 for w in workers) else None
+
+    return wait_until(idle, "every worker to be idle", timeout)

@@ -37,7 +37,7 @@ from tests.gpu.conftest import require_mode  # noqa: E402
 from tests.gpu.support import ENGINE_MODES, PAGED_MODES, TINY_SETTINGS  # noqa: E402
 from tests.gpu.support import registry_entry as entry  # noqa: E402
 from tests.gpu.support import start_gateway as start  # noqa: E402
-from tests.harness import GatewayProcess  # noqa: E402
+from tests.harness import GatewayProcess, wait_until  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -183,12 +183,12 @@ def test_disconnect_storm_returns_every_cache_page(served: tuple[str, GatewayPro
     with ThreadPoolExecutor(16) as pool:
         assert list(pool.map(cut, range(16))) == [2] * 16
     started = time.monotonic()
-    deadline = started + 20
-    while True:
-        stats = wait_idle(gw, timeout=20)[0]["stats"]
-        if stats["cache_pages_free"] == stats["cache_pages_total"] or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
+
+    def pages_all_free() -> dict[str, Any] | None:
+        stats: dict[str, Any] = wait_idle(gw, timeout=20)[0]["stats"]
+        return stats if stats["cache_pages_free"] == stats["cache_pages_total"] else None
+
+    stats = wait_until(pages_all_free, "every cache page to be free", 20)
     cancelled = stats["jobs_cancelled"] - before["jobs_cancelled"]
     record(f"gateway disconnect storm {mode}", idle_after_s=time.monotonic() - started, cancelled=cancelled,
            pages_total=stats["cache_pages_total"])  # fmt: skip

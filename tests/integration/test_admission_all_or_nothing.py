@@ -55,23 +55,22 @@ def test_concurrent_multi_choice_requests_never_deadlock(gateway: GatewayProcess
     """Rounds of n=3 and n=4 requests (any two need more than the 4 slots) with plain requests
     between them: every one completes, and no slot is held when they are done."""
 
-    async def one(client: httpx.AsyncClient, n: int) -> tuple[int, float, int]:
+    async def one(client: httpx.AsyncClient, n: int) -> tuple[int, int]:
         body = {"model": "m", "prompt": "Once", "max_tokens": 24, "ignore_eos": True, "n": n}
-        started = time.monotonic()
         response = await client.post(gateway.url + "/v1/completions", json=body, timeout=60)
         choices = len(response.json().get("choices", [])) if response.status_code == 200 else 0
-        return response.status_code, time.monotonic() - started, choices
+        return response.status_code, choices
 
-    async def burst() -> list[tuple[int, float, int]]:
+    async def burst() -> list[tuple[int, int]]:
         async with httpx.AsyncClient() as client:
             shapes = [4, 3, 1, 4, 3, 1, 4, 3, 2, 1, 3, 4]
             return await asyncio.gather(*(one(client, n) for n in shapes))
 
     results = asyncio.run(burst())
-    assert [status for status, _, _ in results] == [200] * len(results), results
-    assert [choices for _, _, choices in results] == [4, 3, 1, 4, 3, 1, 4, 3, 2, 1, 3, 4]
-    # Each waited at most for the others ahead of it, never out to its 30 s deadline.
-    assert max(seconds for _, seconds, _ in results) < 25
+    assert [status for status, _ in results] == [200] * len(results), results
+    assert [choices for _, choices in results] == [4, 3, 1, 4, 3, 1, 4, 3, 2, 1, 3, 4]
+    # Each waited at most for the others ahead of it, never out to its 30 s deadline: a request
+    # that reached it would have ended with a timeout status, not 200 (no wall-clock bound needed).
     workers: list[dict[str, Any]] = gateway.workers()
     assert workers[0]["in_flight"] == 0 and workers[0]["restarts"] == 0
 
@@ -106,5 +105,7 @@ def test_one_of_two_requests_that_cannot_both_fit_runs_at_once(gateway: GatewayP
         runner.join(60)
     assert len(results) == 2 and all(choices == 3 for _, _, choices in results), results
     first, second = sorted(results)
-    assert first[0] < 0.5 * job_s, (first, job_s)  # admitted at once, not after someone's jobs ended
+    # Admitted at once, not after someone's jobs ended. Relative to an 800-token job timed in the
+    # same run (seconds), so a loaded host slows both sides alike; half of it is a generous bound.
+    assert first[0] < 0.5 * job_s, (first, job_s)
     assert second[0] >= first[0] and second[1] > first[1]

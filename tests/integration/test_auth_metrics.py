@@ -21,7 +21,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.harness import REPO_ROOT, GatewayProcess
+from tests.harness import REPO_ROOT, GatewayProcess, wait_until
 from tests.integration.conftest import demo_entry, write_registry
 
 ALICE = "alice-0123456789abcdef"  # demo-a only, stored as a digest
@@ -77,16 +77,12 @@ def gateway(tmp_path_factory: pytest.TempPathFactory, demo_model_dir: Path) -> I
 
 def wait_until_ready(gw: GatewayProcess, headers: dict[str, str], timeout: float) -> None:
     """The harness's own wait sends no key; this one does."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert gw.process is not None and gw.process.poll() is None, gw.log()
-        try:
-            if httpx.get(gw.url + "/health/ready", headers=headers, timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass  # not listening yet
-        time.sleep(0.2)
-    raise TimeoutError(f"gateway not ready after {timeout}s:\n{gw.log()}")
+
+    def ready() -> bool:
+        assert gw.process is not None and gw.process.poll() is None, gw.log()  # died: fail now
+        return httpx.get(gw.url + "/health/ready", headers=headers, timeout=2).status_code == 200
+
+    wait_until(ready, "the gateway to be ready", timeout, context=gw.events, retry_on=(httpx.HTTPError,))
 
 
 def get(gw: GatewayProcess, path: str, headers: dict[str, str] | None = None) -> httpx.Response:
@@ -147,14 +143,16 @@ def test_keys_file_edit_is_picked_up_without_restart(gateway: GatewayProcess) ->
     keys_file = gateway.config_path.parent / "keys.yaml"
     try:
         keys_file.write_text(KEYS + f"  - {{name: bob, key: {BOB}, models: ['*']}}\n")
-        deadline = time.monotonic() + 10
-        while get(gateway, "/v1/models", bearer(BOB)).status_code != 200:
-            assert time.monotonic() < deadline, "the new key was not picked up"
-            time.sleep(0.2)
+        wait_until(
+            lambda: get(gateway, "/v1/models", bearer(BOB)).status_code == 200, "the new key to be picked up"
+        )
         keys_file.write_text("keys: [{name: broken}]\n")
-        time.sleep(1.5)  # past the once-a-second check
-        assert get(gateway, "/v1/models", bearer(BOB)).status_code == 200  # old keys stay
-        assert "keeping the previous keys" in gateway.log()
+
+        def broken_file_refused() -> bool:  # a request makes the gateway look (once a second at most)
+            assert get(gateway, "/v1/models", bearer(BOB)).status_code == 200  # old keys stay
+            return "keeping the previous keys" in gateway.log()
+
+        wait_until(broken_file_refused, "the broken keys file to be refused", context=gateway.events)
         assert BOB not in gateway.log() and OPS not in gateway.log()  # keys are never logged
     finally:
         keys_file.write_text(KEYS)
@@ -255,13 +253,18 @@ def test_metrics_and_readiness_show_a_scoped_key_nothing_beyond_its_models(gatew
 
 def test_a_newline_in_the_path_cannot_forge_a_log_line(gateway: GatewayProcess) -> None:
     forged = "2026-01-01 00:00:00,000 INFO gateway.access: GET /admin/reload 200 FORGED"
-    for path in ("/v1/models", "/admin/workers", "/no-such-route"):  # refused by the key check, or 404
+    paths = ("/v1/models", "/admin/workers", "/no-such-route")
+    for path in paths:  # refused by the key check, or 404
         response = get(gateway, path + "%0A" + forged.replace(" ", "%20"))
         assert response.status_code in (401, 404)
-    time.sleep(0.2)
-    lines = gateway.log().splitlines()
+
+    def logged() -> list[str] | None:  # the access line of each request, its path escaped
+        lines = gateway.log().splitlines()
+        escaped = [f"gateway.access: GET {path}\\n2026-01-01" for path in paths]
+        return lines if all(any(e in line for line in lines) for e in escaped) else None
+
+    lines = wait_until(logged, "the three requests in the access log", context=gateway.events)
     assert not [line for line in lines if line.startswith("2026-01-01")]
-    assert any("\\n2026-01-01" in line for line in lines)  # the path is logged, escaped
 
 
 def test_non_loopback_bind_without_keys_is_refused(tmp_path: Path, demo_model_dir: Path) -> None:

@@ -7,13 +7,12 @@ import os
 import pickle
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import msgpack
 import zmq
 
-from tests.harness import REPO_ROOT, GatewayProcess
+from tests.harness import REPO_ROOT, GatewayProcess, wait_until
 from tests.integration.conftest import demo_entry, write_registry
 from wire import messages as wire
 from wire.codec import MAX_FRAME_BYTES
@@ -72,7 +71,9 @@ def test_worker_drops_bad_frames_and_keeps_serving(tmp_path: Path, demo_model_di
                 break
         for frame in [*BAD_FRAMES, b"\x00" * (MAX_FRAME_BYTES + 10)]:
             router.send_multipart([identity, frame])
-        time.sleep(0.5)  # an oversized frame drops the connection; the DEALER reconnects by itself
+        # The oversized frame is under the socket's own limit (MAX_SOCKET_MESSAGE_BYTES), so the
+        # connection stays and the codec drops it. Frames of one connection arrive in order: the
+        # worker reads the good Generate after every bad frame, with no pause needed.
         params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
         router.send_multipart([identity, wire.encode(wire.Generate("good", "hello", None, None, params))])
         finish = None
@@ -114,7 +115,10 @@ def test_gateway_drops_bad_frames_from_rogue_peers(tmp_path: Path, demo_model_di
             rogue.send(frame)
         rogue.close(100)
         ctx.term()
-        time.sleep(0.5)
+        refused = "frame from unknown local worker 'rogue' dropped"
+        wait_until(
+            lambda: refused in gateway.log(), "the rogue's frames to be refused", context=gateway.events
+        )
         import httpx
 
         reply = httpx.post(
@@ -126,4 +130,4 @@ def test_gateway_drops_bad_frames_from_rogue_peers(tmp_path: Path, demo_model_di
         log = gateway.log()
         # An id the supervisor did not spawn is refused before its frames are even decoded, and the
         # refusal is logged once per interval, not once per frame.
-        assert log.count("frame from unknown local worker 'rogue' dropped") == 1
+        assert log.count(refused) == 1

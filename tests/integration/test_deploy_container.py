@@ -13,13 +13,12 @@ import json
 import os
 import shutil
 import subprocess
-import time
 import uuid
 
 import httpx
 import pytest
 
-from tests.harness import REPO_ROOT, free_port
+from tests.harness import REPO_ROOT, free_port, wait_until
 
 pytestmark = pytest.mark.slow
 DEPLOY = REPO_ROOT / "deploy"
@@ -64,17 +63,17 @@ def test_the_cpu_image_serves_a_request_from_compose() -> None:
         )
         assert started.returncode == 0, started.stderr
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                if httpx.get(url + "/health/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, subprocess.run(
-                [*up, "logs"], cwd=DEPLOY, capture_output=True, text=True
-            ).stdout[-5000:]
-            time.sleep(1)
+
+        def compose_logs() -> str:
+            return subprocess.run([*up, "logs"], cwd=DEPLOY, capture_output=True, text=True).stdout
+
+        wait_until(
+            lambda: httpx.get(url + "/health/ready", timeout=2).status_code == 200,
+            "the container's gateway to be ready",
+            300,
+            context=compose_logs,
+            retry_on=(httpx.HTTPError,),
+        )
         body = {"model": "demo-small", "prompt": "Hello", "max_tokens": 8}
         reply = httpx.post(url + "/v1/completions", json=body, timeout=60)
         assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 8
@@ -82,17 +81,12 @@ def test_the_cpu_image_serves_a_request_from_compose() -> None:
         ids = subprocess.run(
             [*up, "ps", "-q", "gateway"], cwd=DEPLOY, capture_output=True, text=True
         ).stdout.split()
-        deadline = time.monotonic() + 60
-        while True:
-            health = subprocess.run(
-                ["docker", "inspect", "--format", "{{.State.Health.Status}}", ids[0]],
-                capture_output=True,
-                text=True,
-            ).stdout.strip()
-            if health == "healthy":
-                break
-            assert time.monotonic() < deadline, health
-            time.sleep(2)
+
+        def health() -> str:
+            inspect = ["docker", "inspect", "--format", "{{.State.Health.Status}}", ids[0]]
+            return subprocess.run(inspect, capture_output=True, text=True).stdout.strip()
+
+        wait_until(lambda: health() == "healthy", "the container's health check to pass", context=health)
     finally:
         subprocess.run(
             [*up, "down", "-v", "--timeout", "30"], cwd=DEPLOY, env=env, capture_output=True, timeout=300

@@ -13,13 +13,14 @@ import signal
 import threading
 import time
 from collections.abc import Iterator
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from tests.harness import GatewayProcess, pid_alive
+from tests.harness import WAIT_TIMEOUT_S, GatewayProcess, pid_alive, wait_until
 from tests.integration.conftest import demo_entry, write_registry
 
 RESTART_LIMIT = 3
@@ -48,32 +49,40 @@ def worker(gw: GatewayProcess, model: str) -> dict[str, Any]:
 def kill_every_start(gw: GatewayProcess, model: str) -> list[int]:
     """SIGKILL each process of the model while it starts, until the worker is failed."""
     killed: list[int] = []
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
+
+    def kill_until_failed() -> bool:
         now = worker(gw, model)
         if now["state"] == "failed":
-            return killed
+            return True
         assert now["state"] != "ready", f"a start got through: {now}"
         if now["state"] in STARTING and now["pid"] and now["pid"] not in killed:
             os.kill(now["pid"], signal.SIGKILL)
             killed.append(now["pid"])
-        time.sleep(0.02)
-    raise AssertionError(f"never failed: {worker(gw, model)}")
+        return False
+
+    # Polled often: each start must be caught (and killed) before it gets to ready.
+    wait_until(kill_until_failed, f"{model} to fail", context=gw.events, poll_s=0.02)
+    return killed
 
 
-def wait_for(gw: GatewayProcess, model: str, states: tuple[str, ...], timeout: float = 60) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+def wait_for(
+    gw: GatewayProcess, model: str, states: tuple[str, ...], timeout: float = WAIT_TIMEOUT_S
+) -> dict[str, Any]:
+    def in_states() -> dict[str, Any] | None:
         now = worker(gw, model)
-        if now["state"] in states:
-            return now
-        time.sleep(0.05)
-    raise AssertionError(f"{model} never reached {states}: {worker(gw, model)}")
+        return now if now["state"] in states else None
+
+    return wait_until(in_states, f"{model} to be {' or '.join(states)}", timeout, context=gw.events)
+
+
+def logged_at(gw: GatewayProcess, *texts: str) -> datetime:
+    """When the gateway logged its last line containing each of `texts` (its clock, at the event)."""
+    line = [line for line in gw.log().splitlines() if all(text in line for text in texts)][-1]
+    return datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f")
 
 
 def test_failed_worker_shows_no_pid_and_is_tried_again(gateway: GatewayProcess) -> None:
     killed = kill_every_start(gateway, "m")
-    failed_at = time.monotonic()
     assert len(killed) == RESTART_LIMIT
     failed = worker(gateway, "m")
     assert failed["pid"] is None, failed  # its last process is dead: no pid to show
@@ -83,7 +92,10 @@ def test_failed_worker_shows_no_pid_and_is_tried_again(gateway: GatewayProcess) 
 
     # Nothing happens before the retry is due; then the worker starts again, by itself.
     starting = wait_for(gateway, "m", STARTING, timeout=RETRY_AFTER_S + 30)
-    assert time.monotonic() - failed_at > RETRY_AFTER_S - 0.6  # the failure was seen up to a poll late
+    # Timed by the gateway's log at the two events, not by when this test happened to look.
+    failed_logged = logged_at(gateway, "worker m#0: ", " -> failed")
+    waited = logged_at(gateway, "worker m#0 failed", "trying again") - failed_logged
+    assert waited.total_seconds() >= RETRY_AFTER_S - 0.01, waited  # its clock logs milliseconds
     ready = wait_for(gateway, "m", ("ready",))
     assert ready["pid"] not in killed and pid_alive(ready["pid"]), ready
     assert ready["restarts"] > failed["restarts"], (failed, ready)
@@ -108,6 +120,8 @@ def test_failed_on_demand_worker_loads_again_at_its_next_request(gateway: Gatewa
     # After the retry interval it is unloaded again, not started: only a request loads it.
     unloaded = wait_for(gateway, "od", ("unloaded",), timeout=RETRY_AFTER_S + 30)
     assert unloaded["pid"] is None and "loads at its next request" in unloaded["detail"]
+    # Nothing may start it now. A thing that does not happen has no event to wait on: this
+    # is a window to look in, not a wait for something.
     time.sleep(1.0)
     assert worker(gateway, "od")["state"] == "unloaded"
     second = httpx.post(gateway.url + "/v1/completions", json=body, timeout=60)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -19,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.harness import GatewayProcess
+from tests.harness import GatewayProcess, wait_until
 from tests.integration.conftest import demo_entry, write_registry
 
 USER_KEY = "user-0123456789abcdefgh"
@@ -57,19 +56,14 @@ def gateway(tmp_path_factory: pytest.TempPathFactory, demo_model_dir: Path) -> I
         "GATEWAY_ALLOW_TEST_ENGINES": "1",
     }
     with GatewayProcess(config, env=env, wait_ready=False) as gw:
-        deadline = time.monotonic() + 120
-        while True:
-            assert gw.process is not None and gw.process.poll() is None, gw.log()
-            try:
-                if (
-                    httpx.get(gw.url + "/health/ready", headers=bearer(ADMIN_KEY), timeout=2).status_code
-                    == 200
-                ):
-                    break
-            except httpx.HTTPError:
-                pass  # not listening yet
-            assert time.monotonic() < deadline, f"gateway not ready:\n{gw.log()}"
-            time.sleep(0.2)
+
+        def ready() -> bool:  # the harness's own wait sends no key; this one does
+            assert gw.process is not None and gw.process.poll() is None, gw.log()  # died: fail now
+            return (
+                httpx.get(gw.url + "/health/ready", headers=bearer(ADMIN_KEY), timeout=2).status_code == 200
+            )
+
+        wait_until(ready, "the gateway to be ready", context=gw.log, retry_on=(httpx.HTTPError,))
         yield gw
 
 
@@ -87,13 +81,11 @@ def log_entries(gw: GatewayProcess) -> list[dict[str, Any]]:
 
 
 def wait_for_entry(gw: GatewayProcess, match: Callable[[dict[str, Any]], bool]) -> dict[str, Any]:
-    deadline = time.monotonic() + 10
-    while True:
+    def last_match() -> dict[str, Any] | None:
         found = [entry for entry in log_entries(gw) if match(entry)]
-        if found:
-            return found[-1]
-        assert time.monotonic() < deadline, "no such log line:\n" + gw.log()[-4000:]
-        time.sleep(0.1)
+        return found[-1] if found else None
+
+    return wait_until(last_match, "such a log line", 30, context=gw.log)
 
 
 def completion(gw: GatewayProcess, rid: str | None = None, **body: Any) -> httpx.Response:

@@ -88,6 +88,8 @@ def test_exclusive_group_swaps_models(gateway: GatewayProcess) -> None:
 def test_hub_model_on_an_offline_host_fails_clearly(gateway: GatewayProcess) -> None:
     started = time.monotonic()
     reply = complete(gateway, "from-hub")
+    # Generous: the refusal needs no process and no network (milliseconds); a download that tried
+    # anyway would wait for network timeouts, and a hang for the client's 60 s.
     assert reply.status_code == 503 and time.monotonic() - started < 20
     message = reply.json()["error"]["message"]
     assert "cannot download hf://example-org/absent-model: this host is offline (HF_HUB_OFFLINE=1)" in message

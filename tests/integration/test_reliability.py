@@ -58,7 +58,7 @@ def wait_worker(
         info = worker(gw, model)
         return info if check(info) else None
 
-    return wait_until(matching, f"the {model} worker {what}", context=gw.log)
+    return wait_until(matching, f"the {model} worker {what}", context=gw.events)
 
 
 def wait_ready(gw: GatewayProcess, model: str) -> dict[str, Any]:
@@ -66,7 +66,7 @@ def wait_ready(gw: GatewayProcess, model: str) -> dict[str, Any]:
 
 
 def is_idle(info: dict[str, Any]) -> bool:
-    return info["active_jobs"] == 0 and info["queued_jobs"] == 0 and info["in_flight"] == 0
+    return bool(info["active_jobs"] == 0 and info["queued_jobs"] == 0 and info["in_flight"] == 0)
 
 
 def wait_all_idle(gw: GatewayProcess) -> list[dict[str, Any]]:
@@ -77,7 +77,7 @@ def wait_all_idle(gw: GatewayProcess) -> list[dict[str, Any]]:
         workers = gw.workers()
         return workers if all(is_idle(w) for w in workers) else None
 
-    return wait_until(idle, "every worker to be idle", context=gw.log)
+    return wait_until(idle, "every worker to be idle", context=gw.events)
 
 
 def sse_events(response: httpx.Response) -> Iterator[tuple[str | None, str]]:
@@ -213,10 +213,16 @@ def test_deadline_cancels_the_job(gateway: GatewayProcess, stream: bool) -> None
             response.read()
             assert response.status_code == 408
             assert response.json()["error"]["code"] == "request_timeout"
-    # The job was cancelled, not left to run its 400 slow steps: the worker counts it so, whenever
-    # its heartbeat says it is idle (no time limit to guess).
-    stats = wait_worker(gateway, "faulty", "to be idle", is_idle)["stats"]
-    assert stats["jobs_cancelled"] == before["jobs_cancelled"] + 1, stats
+    # The job was cancelled, not left to run its 400 slow steps: the worker counts it so (no time
+    # limit to guess), and it did not finish.
+    cancelled = before["jobs_cancelled"] + 1
+    stats = wait_worker(
+        gateway,
+        "faulty",
+        "to count the job cancelled",
+        lambda w: is_idle(w) and w["stats"]["jobs_cancelled"] >= cancelled,
+    )["stats"]
+    assert stats["jobs_cancelled"] == cancelled, stats
     assert stats["jobs_finished"] == before["jobs_finished"], stats
 
 

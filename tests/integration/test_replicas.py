@@ -5,14 +5,14 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 
-from tests.harness import GatewayProcess
+from tests.harness import GatewayProcess, async_wait_until, wait_until
 from tests.integration.conftest import demo_entry, write_registry
 
 
@@ -25,17 +25,16 @@ def gateway(tmp_path_factory: pytest.TempPathFactory, demo_model_dir: Path) -> I
     )
     with GatewayProcess(config) as gw:
         # /health/ready needs one ready replica per model; these tests need all three.
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and not all(
-            w["state"] == "ready" and w["stats"]["steps"] > 0
-            for w in gw.workers()  # a heartbeat came
-        ):
-            time.sleep(0.1)
+        wait_until(
+            lambda: all(w["state"] == "ready" and w["stats"]["steps"] > 0 for w in gw.workers()),
+            "all three replicas ready, each with a heartbeat's stats",
+            context=gw.events,
+        )
         yield gw
 
 
-def replicas(gateway: GatewayProcess) -> list[dict[str, object]]:
-    return sorted((w for w in gateway.workers() if w["model"] == "m"), key=lambda w: int(w["replica"]))  # type: ignore[arg-type]
+def replicas(gateway: GatewayProcess) -> list[dict[str, Any]]:
+    return sorted((w for w in gateway.workers() if w["model"] == "m"), key=lambda w: int(w["replica"]))
 
 
 async def send_all(gateway: GatewayProcess, count: int, max_tokens: int) -> list[httpx.Response]:
@@ -48,36 +47,40 @@ def test_each_replica_is_its_own_process_and_load_is_spread(gateway: GatewayProc
     workers = replicas(gateway)
     assert [w["id"] for w in workers] == ["m#0-r0", "m#0-r1", "m#0-r2"]
     assert len({w["pid"] for w in workers}) == 3 and all(w["state"] == "ready" for w in workers)
-    before = [int(w["stats"]["generated_tokens"]) for w in workers]  # type: ignore[index]
+    before = [int(w["stats"]["generated_tokens"]) for w in workers]
     replies = asyncio.run(send_all(gateway, 12, 64))
     assert all(r.status_code == 200 for r in replies)
-    time.sleep(1.5)  # the next heartbeat carries the counters
-    after = [int(w["stats"]["generated_tokens"]) for w in replicas(gateway)]  # type: ignore[index]
-    served = [a - b for a, b in zip(after, before, strict=True)]
-    assert served == [4 * 64] * 3, served  # equal requests: least outstanding work gives 4 each
+
+    def served() -> list[int] | None:
+        after = [int(w["stats"]["generated_tokens"]) for w in replicas(gateway)]
+        tokens = [a - b for a, b in zip(after, before, strict=True)]
+        return tokens if sum(tokens) == 12 * 64 else None
+
+    # Heartbeats carry the counters: wait until they have counted every token, then compare.
+    tokens = wait_until(served, "the heartbeats to count all 12 x 64 tokens", context=gateway.events)
+    assert tokens == [4 * 64] * 3, tokens  # equal requests: least outstanding work gives 4 each
     assert all(w["outstanding_tokens"] == 0 and w["in_flight"] == 0 for w in replicas(gateway))
 
 
 def test_unstarted_requests_move_to_another_replica_when_theirs_dies(gateway: GatewayProcess) -> None:
     victim = replicas(gateway)[0]
-    pid = int(victim["pid"])  # type: ignore[arg-type]
+    pid = int(victim["pid"])
     os.kill(pid, signal.SIGSTOP)  # frozen: it will never accept what is sent to it
 
     async def scenario() -> list[httpx.Response]:
         task = asyncio.create_task(send_all(gateway, 6, 16))
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            frozen = next(w for w in replicas(gateway) if w["id"] == victim["id"])
-            if int(frozen["in_flight"]) > 0:  # type: ignore[arg-type]
-                break
-            await asyncio.sleep(0.05)
+        await async_wait_until(
+            lambda: replicas(gateway)[0]["in_flight"] > 0, "a request placed on the frozen replica"
+        )
         os.kill(pid, signal.SIGKILL)
         return await task
 
     replies = asyncio.run(scenario())
     assert [r.status_code for r in replies] == [200] * 6, [r.text for r in replies if r.status_code != 200]
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and replicas(gateway)[0]["state"] != "ready":
-        time.sleep(0.2)
-    restarted = replicas(gateway)[0]
-    assert restarted["state"] == "ready" and restarted["pid"] != pid and restarted["restarts"] == 1
+
+    def victim_ready() -> dict[str, Any] | None:
+        now = replicas(gateway)[0]
+        return now if now["state"] == "ready" else None
+
+    restarted = wait_until(victim_ready, "the killed replica to be ready again", context=gateway.events)
+    assert restarted["pid"] != pid and restarted["restarts"] == 1

@@ -12,7 +12,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,7 +21,7 @@ import pytest
 import zmq
 import zmq.auth
 
-from tests.harness import REPO_ROOT, GatewayProcess, free_port
+from tests.harness import REPO_ROOT, GatewayProcess, free_port, wait_until
 from tests.integration.conftest import demo_entry, write_registry
 from wire import messages as wire
 from wire.states import WorkerState
@@ -94,17 +93,8 @@ def lab(tmp_path_factory: pytest.TempPathFactory, demo_model_dir: Path) -> Itera
 def gateway(lab: Lab) -> Iterator[GatewayProcess]:
     with GatewayProcess(lab.config, wait_ready=False) as gw:
         gw.wait_until_live()
-        wait_for(lambda: state(gw, "local#0") == "ready", "the local worker")
+        wait_until(lambda: state(gw, "local#0") == "ready", "the local worker to be ready", context=gw.events)
         yield gw
-
-
-def wait_for(check: object, what: str, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if check():  # type: ignore[operator]
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def state(gateway: GatewayProcess, worker_id: str) -> str | None:
@@ -132,25 +122,30 @@ def test_a_remote_peer_cannot_take_over_a_local_model(lab: Lab, gateway: Gateway
         wire.encode(wire.Step([wire.JobOutput("any", "FORGED", [1])])),
     ):
         attacker.send(frame)
-    time.sleep(0.5)
+    # Frames of one connection are handled in order, each refused like the first (logged) one.
+    refusal = "key 'good' claimed the id of local worker 'local#0'; refused"
+    wait_until(lambda: refusal in gateway.log(), "the attacker's refusal", context=gateway.events)
     replies = [complete(gateway, "local") for _ in range(20)]
     assert all(r.status_code == 200 for r in replies)
     assert {r.json()["choices"][0]["text"] for r in replies} == {expected}  # the real worker's text
     assert not attacker.poll(500), "the attacker received a frame meant for the local worker"
     assert state(gateway, "local#0") == "ready"
-    assert "key 'good' claimed the id of local worker 'local#0'; refused" in gateway.log()
     attacker.close()
 
 
 def test_keys_serve_only_their_models_and_ids_stay_with_their_key(lab: Lab, gateway: GatewayProcess) -> None:
     worker = lab.worker("far@good", "good")
     try:
-        wait_for(lambda: state(gateway, "far@good") == "ready", "the remote worker")
+        wait_until(
+            lambda: state(gateway, "far@good") == "ready",
+            "the remote worker to be ready",
+            context=gateway.events,
+        )
         assert complete(gateway, "far").status_code == 200
         # A key issued for another model cannot join this one.
         evil = lab.peer("elsewhere", "far@evil")
         evil.send(wire.encode(wire.Hello(wire.PROTOCOL_VERSION, "far@evil", 1)))
-        wait_for(lambda: "may not serve model 'far'" in gateway.log(), "the refusal of key 'elsewhere'")
+        wait_until(lambda: "may not serve model 'far'" in gateway.log(), "the refusal of key 'elsewhere'")
         assert state(gateway, "far@evil") is None
         evil.close()
     finally:
@@ -158,14 +153,19 @@ def test_keys_serve_only_their_models_and_ids_stay_with_their_key(lab: Lab, gate
         worker.wait(10)
     # Once the worker is gone, another authorized key cannot take its id over. (While it is
     # connected, ZeroMQ itself refuses a second peer with the same id.)
-    wait_for(lambda: state(gateway, "far@good") == "lost", "the remote worker to be lost", 15)
+    wait_until(
+        lambda: state(gateway, "far@good") == "lost",
+        "the remote worker to be lost",
+        15,
+        context=gateway.events,
+    )
     thief = lab.peer("spare", "far@good")
     for frame in (wire.encode(wire.Hello(wire.PROTOCOL_VERSION, "far@good", 7)), ready_frame()):
         thief.send(frame)
-    wait_for(
+    wait_until(
         lambda: "key 'spare' claimed remote worker 'far@good' of another key" in gateway.log(), "the refusal"
     )
-    time.sleep(0.5)
+    # Its Ready came on the same connection right behind the Hello, and met the same refusal.
     assert state(gateway, "far@good") == "lost"  # not revived by the thief
     assert complete(gateway, "far").status_code == 503
     thief.close()
@@ -174,10 +174,19 @@ def test_keys_serve_only_their_models_and_ids_stay_with_their_key(lab: Lab, gate
 def test_a_removed_key_is_refused_without_a_restart(lab: Lab, gateway: GatewayProcess) -> None:
     worker = lab.worker("far@doomed", "doomed")
     try:
-        wait_for(lambda: state(gateway, "far@doomed") == "ready", "the doomed worker")
+        wait_until(
+            lambda: state(gateway, "far@doomed") == "ready",
+            "the doomed worker to be ready",
+            context=gateway.events,
+        )
         (lab.authorized / "doomed.key").unlink()
         # Its frames are refused from now on: it falls silent to the gateway, which marks it lost.
-        wait_for(lambda: state(gateway, "far@doomed") == "lost", "the removed key's worker to be lost", 15)
+        wait_until(
+            lambda: state(gateway, "far@doomed") == "lost",
+            "the removed key's worker to be lost",
+            15,
+            context=gateway.events,
+        )
         log = gateway.log()
         assert "worker key(s) removed from" in log and "['doomed']" in log
         assert "frame over tcp refused: unknown key" in log  # a key no longer known is named by its prefix
@@ -190,14 +199,23 @@ def test_hello_floods_and_bad_heartbeats_are_bounded(lab: Lab, gateway: GatewayP
     flood = [lab.peer("spare", f"far@flood{i}") for i in range(50)]
     for i, sock in enumerate(flood):
         sock.send(wire.encode(wire.Hello(wire.PROTOCOL_VERSION, f"far@flood{i}", i)))
-    time.sleep(2)
-    joined = [w for w in gateway.workers() if str(w["id"]).startswith("far@flood")]
-    assert len(joined) == PER_KEY  # max_workers_per_key, not 50
-    assert "max_workers_per_key=3 already use this key" in gateway.log()
+
+    def flood_joined() -> int:
+        return sum(1 for w in gateway.workers() if str(w["id"]).startswith("far@flood"))
+
+    # The cap was hit (a refusal is logged once it is) after its 3 workers joined.
+    wait_until(
+        lambda: flood_joined() >= PER_KEY and "max_workers_per_key=3 already use this key" in gateway.log(),
+        "the flood to hit max_workers_per_key",
+        context=gateway.events,
+    )
+    assert flood_joined() == PER_KEY  # max_workers_per_key, not 50
     # A heartbeat whose figures are not numbers is dropped; the admin API keeps answering.
     flood[0].send(msgpack.packb(["hb", ["ready", ["x"]]]))
     flood[0].send(msgpack.packb(["hb", ["ready", [-5]]]))
-    time.sleep(0.5)
+    wait_until(
+        lambda: "dropped a bad frame from worker far@flood0" in gateway.log(), "the bad heartbeat dropped"
+    )
     assert httpx.get(gateway.url + "/admin/workers", timeout=5).status_code == 200
     metrics = httpx.get(gateway.url + "/metrics", timeout=5)
     assert metrics.status_code == 200 and len(metrics.text) < 200_000
@@ -211,7 +229,7 @@ def test_workers_do_not_receive_api_keys(tmp_path: Path, demo_model_dir: Path) -
     with GatewayProcess(config, env={**os.environ, **secrets}, wait_ready=False) as gw:
         gw.wait_until_live()
         headers = {"Authorization": "Bearer " + "a" * 20}
-        wait_for(lambda: _worker_pid(gw, headers) is not None, "the worker")
+        wait_until(lambda: _worker_pid(gw, headers) is not None, "the worker to start", context=gw.events)
         environ = Path(f"/proc/{_worker_pid(gw, headers)}/environ").read_bytes().split(b"\0")
         assert not [v for v in environ if v.startswith((b"GATEWAY_API_KEYS=", b"GATEWAY_ADMIN_KEYS="))]
 

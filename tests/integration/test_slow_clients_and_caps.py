@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import json
 import socket
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.harness import GatewayProcess
+from tests.harness import GatewayProcess, wait_until
 from tests.integration.conftest import demo_entry, write_registry
 
 
@@ -51,19 +50,15 @@ def test_stalled_reader_is_dropped_and_its_jobs_cancelled(gateway: GatewayProces
     client.connect(("127.0.0.1", gateway.port))
     try:
         client.sendall(request)
-        deadline = time.monotonic() + 5
-        while jobs_left(gateway) == 0 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert jobs_left(gateway) > 0, "the request never started"
+        wait_until(lambda: jobs_left(gateway) > 0, "the request to start", context=gateway.events)
         # Read nothing. Once the socket buffers are full (or the job is done and its last chunks
         # are stuck), the watchdog must drop us within write_stall_timeout_s (+ a tick).
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline and not (
-            jobs_left(gateway) == 0 and "client stopped reading" in gateway.log()
-        ):
-            time.sleep(0.1)
-        assert jobs_left(gateway) == 0, gateway.workers()
-        assert "client stopped reading" in gateway.log()
+        wait_until(
+            lambda: jobs_left(gateway) == 0 and "client stopped reading" in gateway.log(),
+            "the watchdog to drop the client and its job",
+            20,
+            context=gateway.events,
+        )
         client.settimeout(5)
         received = b""
         while chunk := client.recv(65536):  # the gateway closed the connection: recv ends

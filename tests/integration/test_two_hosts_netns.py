@@ -12,15 +12,15 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 
-from tests.harness import REPO_ROOT, GatewayProcess, free_port
+from tests.harness import REPO_ROOT, GatewayProcess, free_port, wait_until
 from tests.integration.conftest import demo_entry, write_registry
 
 
@@ -59,12 +59,17 @@ def state_of(gateway: GatewayProcess, worker_id: str) -> str | None:
 
 
 def wait_state(gateway: GatewayProcess, worker_id: str, state: str, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if state_of(gateway, worker_id) == state:
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"{worker_id} never {state}; it is {state_of(gateway, worker_id)}")
+    wait_until(lambda: state_of(gateway, worker_id) == state, f"{worker_id} to be {state}", timeout,
+               context=gateway.events)  # fmt: skip
+
+
+def worker_info(gateway: GatewayProcess) -> dict[str, Any]:
+    return next(w for w in gateway.workers() if w["id"] == "far@host-b")
+
+
+def idle_info(gateway: GatewayProcess) -> dict[str, Any] | None:
+    info = worker_info(gateway)
+    return info if info["active_jobs"] == 0 else None
 
 
 def test_link_cut_and_restored(namespace: tuple[str, str, str], tmp_path: Path, demo_model_dir: Path) -> None:
@@ -118,6 +123,8 @@ def test_link_cut_and_restored(namespace: tuple[str, str, str], tmp_path: Path, 
             wait_state(gateway, "far@host-b", "ready", 90)
             body = {"model": "far", "prompt": "across hosts", "max_tokens": 4}
             assert httpx.post(gateway.url + "/v1/completions", json=body, timeout=30).status_code == 200
+            # Once its heartbeat shows it idle, its counters include that request.
+            before = wait_until(lambda: idle_info(gateway), "the worker to be idle", context=gateway.events)
 
             stream_body = {**body, "max_tokens": 1500, "ignore_eos": True, "stream": True}
             with httpx.stream(
@@ -133,13 +140,18 @@ def test_link_cut_and_restored(namespace: tuple[str, str, str], tmp_path: Path, 
 
             run("ip", "link", "set", host_end, "up")  # and plugged back in
             wait_state(gateway, "far@host-b", "ready", 30)
-            deadline = time.monotonic() + 10
-            while time.monotonic() < deadline:
-                info = next(w for w in gateway.workers() if w["id"] == "far@host-b")
-                if info["active_jobs"] == 0:
-                    break
-                time.sleep(0.2)
-            assert info["active_jobs"] == 0  # the job of the failed request was cancelled, not resumed
+
+            def stale_job_cancelled() -> dict[str, Any] | None:
+                info = idle_info(gateway)
+                return (
+                    info
+                    if info and info["stats"]["jobs_cancelled"] > before["stats"]["jobs_cancelled"]
+                    else None
+                )
+
+            # The job of the failed request was cancelled, not resumed: it never finishes.
+            info = wait_until(stale_job_cancelled, "the stale job to be cancelled", context=gateway.events)
+            assert info["stats"]["jobs_finished"] == before["stats"]["jobs_finished"], info["stats"]
             assert httpx.post(gateway.url + "/v1/completions", json=body, timeout=30).status_code == 200
         finally:
             worker.kill()

@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.harness import GatewayProcess
+from tests.harness import GatewayProcess, async_wait_until, wait_until
 from tests.integration.conftest import demo_entry, write_registry
 
 WEDGE_TIMEOUT_S = 1.0
@@ -82,16 +82,13 @@ def test_long_chunked_prefill_is_not_wedged(gateway: GatewayProcess) -> None:
     # 250 chunks of 16 tokens per prompt, all prompts in each step: no Step frame for this long.
     assert elapsed > 2 * STALL_LIMIT_S, f"prefill took {elapsed:.2f}s: too short to show anything"
     # Steps reach the gateway once per heartbeat: the last ones may come a heartbeat after the replies.
-    deadline = time.monotonic() + 10 * HEARTBEAT_INTERVAL_S
-    after = worker(gateway, "long")
-    while (
-        after["stats"]["steps"] - before["stats"]["steps"] < PROMPT_TOKENS // 16
-        and time.monotonic() < deadline
-    ):
-        time.sleep(HEARTBEAT_INTERVAL_S / 2)
+
+    def all_steps_reported() -> dict[str, Any] | None:
         after = worker(gateway, "long")
+        return after if after["stats"]["steps"] - before["stats"]["steps"] >= PROMPT_TOKENS // 16 else None
+
+    after = wait_until(all_steps_reported, "the prefill's steps in the heartbeats", context=gateway.events)
     assert after["pid"] == before["pid"] and after["restarts"] == before["restarts"], after
-    assert after["stats"]["steps"] - before["stats"]["steps"] >= PROMPT_TOKENS // 16, after["stats"]
     assert "wedged" not in gateway.log()
 
 
@@ -118,13 +115,19 @@ def test_job_waiting_for_its_constraint_does_not_count(gateway: GatewayProcess) 
             started = time.monotonic()
             reply = asyncio.create_task(client.post("/v1/chat/completions", json=body))
             parked_s, parked_since = 0.0, None
-            while not reply.done():
+
+            async def measure_until_replied() -> bool:  # how long the worker held the job back
+                nonlocal parked_s, parked_since
                 now = (await client.get("/admin/workers")).json()["workers"]
                 short = next(w for w in now if w["model"] == "short")
                 if short["in_flight"] == 1 and short["active_jobs"] + short["queued_jobs"] == 0:
                     parked_since = parked_since or time.monotonic()
                     parked_s = time.monotonic() - parked_since
-                await asyncio.sleep(0.1)
+                return reply.done()
+
+            await async_wait_until(
+                measure_until_replied, "the constrained reply", 120, context=gateway.events
+            )
             return await reply, parked_s, time.monotonic() - started
 
     reply, parked_s, elapsed = asyncio.run(scenario())
@@ -160,16 +163,18 @@ def test_request_held_after_its_job_finished_does_not_count(gateway: GatewayProc
         # The engine finishes the job; the gateway still holds the request, its last chunks unsent,
         # until write_stall_timeout_s drops the client.
         held_since, held_s = None, 0.0
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and "client stopped reading" not in gateway.log():
+
+        def measure_until_dropped() -> bool:  # how long the request was held after its job ended
+            nonlocal held_since, held_s
             now = worker(gateway, "short")
             if now["stats"]["jobs_finished"] > before["stats"]["jobs_finished"] and not now["active_jobs"]:
                 held_since = held_since or time.monotonic()
                 held_s = time.monotonic() - held_since
-            time.sleep(0.1)
+            return "client stopped reading" in gateway.log()
+
+        wait_until(measure_until_dropped, "the client to be dropped", context=gateway.events)
     finally:
         client.close()
-    assert "client stopped reading" in gateway.log()
     assert held_s > 2 * STALL_LIMIT_S, f"held for {held_s:.2f}s after its job finished: too short"
     after = worker(gateway, "short")
     assert after["pid"] == before["pid"] and after["restarts"] == before["restarts"], after

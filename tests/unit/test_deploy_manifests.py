@@ -24,12 +24,13 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+
+from tests.harness import wait_until
 
 kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="pip install -e '.[test]'")
 
@@ -423,17 +424,14 @@ def test_worker_liveness_probe_fails_for_a_stopped_or_foreign_process(docs: list
     def probe(pid: int) -> int:
         return run_probe(script.replace("/proc/1/", f"/proc/{pid}/"))
 
-    sleeper = "import time; time.sleep(60)"
+    sleeper = "import time; time.sleep(60)"  # a process that only has to exist while probed
     fake_worker = subprocess.Popen([sys.executable, "-c", sleeper, "/opt/conda/bin/model-worker"])
     other = subprocess.Popen([sys.executable, "-c", sleeper, "something-else"])
     try:
         assert probe(fake_worker.pid) == 0
         assert probe(other.pid) == 1
         os.kill(fake_worker.pid, signal.SIGSTOP)
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline and probe(fake_worker.pid) == 0:
-            time.sleep(0.05)
-        assert probe(fake_worker.pid) == 1
+        wait_until(lambda: probe(fake_worker.pid) == 1, "the probe to fail for the stopped process")
     finally:
         for process in (fake_worker, other):
             process.kill()

@@ -152,7 +152,7 @@ def make_app() -> Quart:
 
         async def body() -> AsyncIterator[bytes]:
             for _ in range(3):
-                await asyncio.sleep(0.01)
+                await asyncio.sleep(0.01)  # a body that streams over time (the behaviour logged)
                 yield b"data: x\n\n"
             logging.getLogger("gateway.test").info("stream done")
 
