@@ -206,6 +206,9 @@ class Supervisor:
         elif isinstance(message, wire.Fatal):
             handle.death_cause = message.message
             logger.error("worker %s reported a fatal error: %s", worker_id, message.message)
+            # Its requests end now, with the cause it gave, not when its process is finally gone
+            # (tearing down torch can take seconds, and a watchdog must not rename the cause meanwhile).
+            self.fail_requests(handle, message.message)
 
     # ---- per-worker task ---------------------------------------------------------------------
 
@@ -298,16 +301,19 @@ class Supervisor:
             now = time.monotonic()
             if not handle.ready and handle.state is not S.DRAINING:
                 if now - handle.spawned_at > server.worker_start_timeout_s:
-                    handle.death_cause = (
+                    handle.death_cause = handle.death_cause or (
                         f"not ready within worker_start_timeout_s={server.worker_start_timeout_s:g}s; "
                         "raise it in the registry's server section if loading is legitimately slow"
                     )
                     self._kill(handle)
             elif now - self.link.last_seen.get(handle.id, now) > server.heartbeat_timeout_s:
-                handle.death_cause = f"no heartbeat for {server.heartbeat_timeout_s:g}s (hung or lost)"
+                handle.death_cause = handle.death_cause or (
+                    f"no heartbeat for {server.heartbeat_timeout_s:g}s (hung or lost)"
+                )
                 self._kill(handle)
             elif (stalled_s := self._stalled_for(handle, now)) is not None and stalled_s > stalled_limit_s:
-                handle.death_cause = (
+                # A cause the worker reported itself (Fatal) stays: it says why it stalled.
+                handle.death_cause = handle.death_cause or (
                     f"holds jobs but no generator step for {stalled_s:.1f}s "
                     f"(wedge_timeout_s={wedge_timeout_s:g}; wedged)"
                 )
