@@ -3,7 +3,7 @@
 Runs in the gateway process. Owns the exact JSON shapes OpenAI clients parse: chunk objects,
 final responses, usage and logprobs in both the chat and the completions flavour, tool calls
 (read from the text by gateway.tools) and vLLM's prompt logprobs. Pure functions of the choices'
-outputs (gateway.serving) and the typed JobOutputs the workers sent; no I/O.
+outputs (gateway.serving) and the Deltas made of the workers' outputs; no I/O.
 """
 
 from __future__ import annotations
@@ -12,16 +12,17 @@ import json
 import time
 from typing import TYPE_CHECKING, Any
 
-from gateway.serving.outputs import ChoiceOutput, usage_totals
+from gateway.errors import APIError
+from gateway.http.serving_path import Formatter
+from gateway.serving.outputs import ChoiceOutput, Delta, usage_totals
 from gateway.tools.plan import ToolPlan
 from gateway.tools.stream import ToolCallStream
-from wire.results import FinishReason, JobOutput, TokenLogprob
+from wire.results import FinishReason, TokenLogprob
 
 if TYPE_CHECKING:
-    from gateway.serving.request_owner import Choice
+    from gateway.serving.request_owner import Choice, RequestOwner
 
 SSE_DONE = b"data: [DONE]\n\n"
-SSE_KEEPALIVE = b": keepalive\n\n"
 
 
 def sse(payload: dict[str, Any]) -> bytes:
@@ -99,11 +100,12 @@ def prompt_logprobs_body(entries: list[TokenLogprob]) -> list[dict[str, Any] | N
 # ---- envelopes ------------------------------------------------------------------------------
 
 
-class ResponseFormatter:
+class ResponseFormatter(Formatter):
     """Builds chunks and final bodies for one request; `chat` picks the flavour.
 
     `tools` reads tool calls from chat output; `echo_logprobs` puts the prompt's logprobs before
     the completion's (completions with echo and logprobs); `prompt_logprobs` adds vLLM's field;
+    `with_usage` ends a stream with a usage chunk (stream_options.include_usage);
     `continuous_usage` puts the usage so far in every chunk (stream_options.continuous_usage_stats).
     """
 
@@ -115,6 +117,7 @@ class ResponseFormatter:
         tools: ToolPlan | None = None,
         echo_logprobs: bool = False,
         prompt_logprobs: bool = False,
+        with_usage: bool = False,
         continuous_usage: bool = False,
     ) -> None:
         self.id = request_id
@@ -123,6 +126,7 @@ class ResponseFormatter:
         self.tools = tools if tools is not None and tools.active else None
         self.echo_logprobs = echo_logprobs
         self.prompt_logprobs = prompt_logprobs
+        self.with_usage = with_usage
         self.continuous_usage = continuous_usage
         self.created = int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
@@ -139,6 +143,25 @@ class ResponseFormatter:
             "choices": choices,
         }
 
+    # ---- the serving path's calls ---------------------------------------------------------------
+
+    def opening(self, owner: RequestOwner) -> bytes:
+        return b"".join(self.first_chunks([c.index for c in owner.choices], self.with_usage))
+
+    def chunk(self, owner: RequestOwner, index: int, delta: Delta) -> bytes:
+        return self.delta_chunk(owner.choices[index], delta, self.with_usage, owner.outputs)
+
+    def closing(self, owner: RequestOwner) -> bytes:
+        return (self.usage_chunk(owner.outputs) if self.with_usage else b"") + SSE_DONE
+
+    def stream_error(self, error: APIError) -> bytes:
+        return sse_error(error.body()) + SSE_DONE
+
+    def body(self, owner: RequestOwner) -> dict[str, Any]:
+        return self.final_body(owner.choices)
+
+    # ---- shapes ----------------------------------------------------------------------------------
+
     def first_chunks(self, indices: list[int], with_usage: bool) -> list[bytes]:
         if not self.chat:
             return []
@@ -153,7 +176,7 @@ class ResponseFormatter:
         return out
 
     def delta_chunk(
-        self, choice: Choice, output: JobOutput, with_usage: bool, usage_now: list[ChoiceOutput] | None = None
+        self, choice: Choice, output: Delta, with_usage: bool, usage_now: list[ChoiceOutput] | None = None
     ) -> bytes:
         """The SSE chunk(s) for one output of one choice; empty when there is nothing to send.
         `usage_now` (every choice's output so far) is reported in each chunk with continuous usage."""
@@ -197,7 +220,7 @@ class ResponseFormatter:
     def _tool_chunks(
         self,
         choice: Choice,
-        output: JobOutput,
+        output: Delta,
         logprobs: dict[str, Any] | None,
         finish: str | None,
         with_usage: bool,

@@ -15,11 +15,14 @@ import time
 import uuid
 from typing import Any
 
-from gateway.serving.outputs import ChoiceOutput, usage_totals
+from gateway.errors import APIError
+from gateway.http.serving_path import Formatter
+from gateway.serving.outputs import ChoiceOutput, Delta, usage_totals
+from gateway.serving.request_owner import RequestOwner
 from wire.results import FinishReason
 
 
-class ResponseBuilder:
+class ResponseBuilder(Formatter):
     def __init__(self, model: str, settings: dict[str, Any]) -> None:
         self.id = "resp_" + uuid.uuid4().hex
         self.item_id = "msg_" + uuid.uuid4().hex
@@ -27,6 +30,24 @@ class ResponseBuilder:
         self.created_at = int(time.time())
         self.settings = settings  # instructions, temperature, top_p, max_output_tokens, text, metadata
         self._sequence = 0
+
+    # ---- the serving path's calls ---------------------------------------------------------------
+
+    def opening(self, owner: RequestOwner) -> bytes:
+        return b"".join(self.opening_events())
+
+    def chunk(self, owner: RequestOwner, index: int, delta: Delta) -> bytes:
+        return self.delta_event(delta.text) if delta.text else b""
+
+    def closing(self, owner: RequestOwner) -> bytes:
+        return b"".join(self.closing_events(owner.choices[0].output))
+
+    def stream_error(self, error: APIError) -> bytes:
+        return self.error_event(error.body())
+
+    def body(self, owner: RequestOwner) -> dict[str, Any]:
+        output = owner.choices[0].output
+        return self.response(self.final_status(output), output)
 
     # ---- objects -----------------------------------------------------------------------------
 

@@ -3,31 +3,27 @@
 Runs in the gateway process. Owns the request schema and its translation into a chat request:
 `instructions` becomes a system message, `input` (a string, or message items with text parts)
 the conversation, `max_output_tokens` and `text.format` the chat's max_tokens and response_format.
-Generation then runs as any chat completion (one RequestOwner); gateway.http.responses_format
-writes the response object or its event stream. Nothing is stored: a request that needs stored
-state (`previous_response_id`, `conversation`, `store: true`, `background`) is a 400 saying so,
-and so is anything this text-only endpoint would otherwise drop (tools, reasoning, logprobs).
+Generation then runs on the one serving path (gateway.http.serving_path) as any chat completion;
+gateway.http.responses_format writes the response object or its event stream. Nothing is stored:
+a request that needs stored state (`previous_response_id`, `conversation`, `store: true`,
+`background`) is a 400 saying so, and so is anything this text-only endpoint would otherwise drop
+(tools, reasoning, logprobs).
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
-from quart import Blueprint, Response, jsonify
+from quart import Blueprint
 from quart_schema import validate_request
 
-from gateway.errors import APIError, InvalidRequest
-from gateway.http.current import current_gateway
-from gateway.http.openai_format import SSE_KEEPALIVE
-from gateway.http.openai_routes import generation_route
+from gateway.errors import InvalidRequest
 from gateway.http.responses_format import ResponseBuilder
 from gateway.http.schemas import ChatCompletionRequest, ChatMessage
-from gateway.observability.logging_setup import set_log_context
-from gateway.observability.metrics import start_request
+from gateway.http.serving_path import Generation, serve_generation
 from gateway.serving.outputs import ChoiceInput
-from gateway.serving.request_owner import KEEPALIVE, RequestOwner
+from gateway.serving.router import ModelRoute
 from wire.params import ChatOptions
 
 blueprint = Blueprint("responses", __name__)
@@ -149,47 +145,11 @@ class ResponsesRequest(BaseModel):
 @validate_request(ResponsesRequest)
 async def responses(data: ResponsesRequest) -> Any:
     data.refuse_what_is_not_honoured()
-    route = generation_route(data.model)
-    set_log_context(model=route.config.name)
     chat = data.as_chat()
-    gateway = current_gateway()
-    params = chat.sampling_params(route.config, None)
-    deadline = gateway.router.deadline_for(route, data.timeout)
-    inputs = [ChoiceInput(messages=[m.to_wire() for m in chat.messages], chat=ChatOptions())]
-    owner = gateway.service.open(
-        route, inputs, params, deadline, start_request(route.config.name), data.stream
-    )
-    await owner.admit()
-    builder = ResponseBuilder(data.model, data.echoed_settings())
-    if data.stream:
-        response = Response(_stream(owner, builder), content_type="text/event-stream; charset=utf-8")
-        response.headers["Cache-Control"] = "no-cache"
-        response.headers["X-Accel-Buffering"] = "no"
-        response.timeout = None
-        return response
-    try:
-        async for _ in owner.events():
-            pass
-        output = owner.choices[0].output
-        return jsonify(builder.response(builder.final_status(output), output))
-    finally:
-        owner.close()
 
+    async def plan_for(route: ModelRoute, model: str) -> Generation:
+        params = chat.sampling_params(route.config, None)
+        inputs = [ChoiceInput(messages=[m.to_wire() for m in chat.messages], chat=ChatOptions())]
+        return Generation(inputs, params, ResponseBuilder(model, data.echoed_settings()))
 
-async def _stream(owner: RequestOwner, builder: ResponseBuilder) -> AsyncIterator[bytes]:
-    try:
-        for event in builder.opening_events():
-            yield event
-        async for item in owner.events():
-            if item is KEEPALIVE:
-                yield SSE_KEEPALIVE
-                continue
-            _, output = item  # type: ignore[misc]
-            if output.text:
-                yield builder.delta_event(output.text)
-        for event in builder.closing_events(owner.choices[0].output):
-            yield event
-    except APIError as exc:
-        yield builder.error_event(exc.body())
-    finally:
-        owner.close()
+    return await serve_generation(data.model, plan_for, data.stream, data.timeout)

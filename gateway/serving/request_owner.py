@@ -40,7 +40,8 @@ from gateway.errors import (
     as_api_error,
 )
 from gateway.observability.logging_setup import set_log_context
-from gateway.serving.outputs import ChoiceInput, ChoiceOutput, usage_totals
+from gateway.serving.choice_text import ChoiceText, TextPlan
+from gateway.serving.outputs import ChoiceInput, ChoiceOutput, Delta, usage_totals
 from gateway.serving.router import AdmissionStopped
 from wire import messages as wire
 from wire.params import SamplingParams
@@ -89,10 +90,13 @@ class Choice:
     accepted: asyncio.Future[Any] | None = None
     sent: bool = False  # a Generate went out: a Cancel must follow unless the job finishes
     finished: bool = False  # the engine job is over (finished, refused, cancelled or gone)
+    text_plan: TextPlan | None = None
     output: ChoiceOutput = field(init=False)
+    text: ChoiceText = field(init=False)  # the producer's side: worker outputs become Deltas
 
     def __post_init__(self) -> None:
         self.output = ChoiceOutput(self.index)
+        self.text = ChoiceText(self.text_plan)
 
     # ---- the link's calls ------------------------------------------------------------------
 
@@ -138,6 +142,7 @@ class RequestOwner:
         deadline: float,
         recorder: RequestRecorder,
         streaming: bool,
+        text_plan: TextPlan | None = None,
     ) -> None:
         self.service = service
         self.route = route
@@ -147,9 +152,10 @@ class RequestOwner:
         seed = params.seed
         # Distinct choices of one request must not be identical copies: choice i uses seed + i.
         self.choices = [
-            Choice(self, i, choice_input, params if seed is None or i == 0 else params.with_seed(seed + i))
+            Choice(self, i, choice_input, params if seed is None or i == 0 else params.with_seed(seed + i),
+                   text_plan=text_plan)
             for i, choice_input in enumerate(inputs)
-        ]
+        ]  # fmt: skip
         self.queue: asyncio.Queue[Any] = asyncio.Queue()
         self.outcome: int | None = None  # the request's final status, for metrics and logs
         self.error: APIError | None = None  # what it was aborted with
@@ -211,7 +217,7 @@ class RequestOwner:
             for choice, reply in zip(self.choices, replies, strict=True):
                 answer = await self._wait_accepted(choice) if reply is None else reply
                 if isinstance(answer, wire.Accepted):
-                    choice.output.prompt_tokens = answer.prompt_tokens
+                    choice.output.prompt_tokens = choice.text.prompt_tokens = answer.prompt_tokens
                 elif isinstance(answer, wire.Rejected):
                     choice.end_job(cancel=False)  # the worker holds nothing for it; the others are cancelled
                     code = answer.code
@@ -269,20 +275,22 @@ class RequestOwner:
     def on_output(self, choice: Choice, output: JobOutput) -> None:
         if self.ended or choice.finished:
             return  # the request already ended; its jobs were cancelled
-        if output.finish_reason is not None:
-            choice.end_job(cancel=False)
+        delta = choice.text.take(output)
+        if delta.finish_reason is not None:
+            # A finish the gateway decided (a stop sequence it matched) leaves a job to cancel.
+            choice.end_job(cancel=output.finish_reason is None)
             self._unfinished -= 1
         if self.queue.qsize() >= MAX_PENDING_OUTPUTS:
             logger.warning("client is not reading; dropping its stream")
             self.abort(ServiceUnavailable("the client did not read the stream in time", code="slow_reader"))
             return
-        self.queue.put_nowait((choice.index, output))
+        self.queue.put_nowait((choice.index, delta))
         self.last_activity = time.monotonic()
         if self._unfinished == 0:
             self.ended = True
             self.queue.put_nowait(_End())
 
-    async def events(self) -> AsyncIterator[tuple[int, JobOutput] | object]:
+    async def events(self) -> AsyncIterator[tuple[int, Delta] | object]:
         """(choice index, output) in arrival order, and KEEPALIVE on a quiet stream; ends when every
         choice finished, or raises the APIError the request was aborted with."""
         while True:
@@ -291,12 +299,12 @@ class RequestOwner:
                 return
             yield event
 
-    async def event_batches(self) -> AsyncIterator[list[tuple[int, JobOutput] | object]]:
+    async def event_batches(self) -> AsyncIterator[list[tuple[int, Delta] | object]]:
         """The same events, each batch being everything already queued when the consumer got to it
         (at least one event): a streaming response writes a batch as one chunk, so a stream that
         fell behind catches up in one socket write instead of one per token. Never waits for more."""
         while True:
-            batch: list[tuple[int, JobOutput] | object] = []
+            batch: list[tuple[int, Delta] | object] = []
             item = await self.queue.get()
             try:
                 while True:
@@ -315,7 +323,7 @@ class RequestOwner:
                 raise
             yield batch
 
-    def _consume(self, item: Any) -> tuple[int, JobOutput] | object:
+    def _consume(self, item: Any) -> tuple[int, Delta] | object:
         """One queue item taken by the consumer: the event to hand out, or _ENDED; raises the abort."""
         self.last_consumed = time.monotonic()
         if item is KEEPALIVE:
@@ -326,15 +334,31 @@ class RequestOwner:
             if self.outcome is None:
                 self.outcome = 200
             return _ENDED
-        index, output = item
-        self.choices[index].output.add(output)
-        self.recorder.output(output)
-        return index, output
+        index, delta = item
+        self.choices[index].output.add(delta)
+        self.recorder.output(delta)
+        return index, delta
 
     def keep_alive(self) -> None:
         if self.streaming and not self.ended:
             self.queue.put_nowait(KEEPALIVE)
             self.last_activity = time.monotonic()
+
+    # ---- the service's view ----------------------------------------------------------------------
+
+    def holds_job_on(self, worker_id: str) -> bool:
+        return any(c.worker_id == worker_id and not c.finished for c in self.choices)
+
+    def tick(self, now: float, keepalive_s: float, stall_s: float) -> None:
+        """The service's ticker: drop a client that stopped reading, or ping a quiet stream."""
+        # Finished requests count too: their last outputs may be stuck behind a client that
+        # stopped reading, holding a connection.
+        if self.queue.qsize() and now - self.last_consumed >= stall_s:
+            logger.warning("client stopped reading; dropping it")
+            self.abort(ServiceUnavailable("the client stopped reading", code="slow_reader"))
+            self.drop_connection()
+        elif not self.ended and now - self.last_activity >= keepalive_s:
+            self.keep_alive()
 
     # ---- ending --------------------------------------------------------------------------------
 

@@ -434,3 +434,49 @@ def test_queued_outputs_come_out_as_one_batch_and_an_abort_still_delivers_them(t
             r.assert_all_released()
 
     asyncio.run(scenario())
+
+
+def test_tokenize_and_embeddings_are_live_requests_that_drains_reloads_and_shutdowns_end(tmp_path: Path) -> None:
+    """One-shot exchanges have an owner too: the service counts them (a drain waits for them), a
+    reload of their worker and a shutdown end them with the reason, and an embedding's slot comes
+    back whatever way it ends."""
+
+    async def scenario() -> None:
+        async with rig(tmp_path) as r:
+            loop = asyncio.get_running_loop()
+
+            def tokenize(rid: str) -> wire.Tokenize:
+                return wire.Tokenize(rid, "hi", None, True)
+
+            answered = asyncio.create_task(r.service.open_exchange(r.route, loop.time() + 5).run(tokenize))
+            message = await r.peers["w0"].receive()
+            assert isinstance(message, wire.Tokenize) and r.service.in_flight == 1
+            await r.peers["w0"].send(wire.Tokens(message.rid, [1, 2], "hi"))
+            assert (await asyncio.wait_for(answered, 2)).token_ids == [1, 2]
+            assert r.service.in_flight == 0
+
+            reloaded = asyncio.create_task(r.service.open_exchange(r.route, loop.time() + 5).run(tokenize))
+            assert isinstance(await r.peers["w0"].receive(), wire.Tokenize)  # never answered
+            assert r.service.abort_on_worker("w0", ServiceUnavailable("reloading", code="model_reloading")) == 1
+            with pytest.raises(ServiceUnavailable, match="reloading"):
+                await asyncio.wait_for(reloaded, 2)
+
+            def embed(rid: str) -> wire.Embed:
+                return wire.Embed(rid, ["a"], None)
+
+            embedding = asyncio.create_task(
+                r.service.open_exchange(r.route, loop.time() + 5).run(embed, slot_work=3)
+            )
+            assert isinstance(await r.peers["w0"].receive(), wire.Embed)
+            assert r.route.replicas[0].in_flight == 1 and r.service.in_flight == 1  # it holds a slot
+            r.service.abort_all(ServiceUnavailable("the server is shutting down", code="shutting_down"))
+            with pytest.raises(ServiceUnavailable) as ended:
+                await asyncio.wait_for(embedding, 2)
+            assert ended.value.code == "shutting_down"
+
+            timed_out = r.service.open_exchange(r.route, loop.time() + 0.2).run(embed, slot_work=3)
+            with pytest.raises(RequestTimeout):
+                await asyncio.wait_for(timed_out, 2)
+            r.assert_all_released()
+
+    asyncio.run(scenario())
