@@ -1,0 +1,81 @@
+"""Anthropic's Messages API: POST /v1/messages and POST /v1/messages/count_tokens.
+
+Runs in the gateway process. Owns turning a validated Messages request (gateway.http.anthropic_schemas)
+into the chat request it is, the tool plan and the stop sequences the gateway matches itself
+(so the response can say which one stopped the text), for the model that answers; the one serving
+path (gateway.http.serving_path) does the rest, and gateway.http.anthropic_format writes the message
+or its event stream. Errors on these routes have Anthropic's shape (gateway.http.app renders them).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from quart import Blueprint, jsonify, request
+from quart_schema import validate_request
+
+from gateway.errors import InvalidRequest
+from gateway.http.anthropic_format import MessagesFormatter
+from gateway.http.anthropic_schemas import CountTokensRequest, MessagesRequest
+from gateway.http.schemas import ChatCompletionRequest
+from gateway.http.serving_path import Generation, generation_route, serve_exchange, serve_generation
+from gateway.serving.choice_text import TextPlan
+from gateway.serving.outputs import ChoiceInput
+from gateway.serving.router import ModelRoute
+from gateway.tools.plan import ToolPlan, plan_tools
+from wire import messages as wire
+
+blueprint = Blueprint("anthropic", __name__)
+ANSWER_TIMEOUT_S = 30.0
+
+
+def is_anthropic_request() -> bool:
+    """Whether the current request is on these routes (its errors then take Anthropic's shape)."""
+    return request.path == "/v1/messages" or request.path.startswith("/v1/messages/")
+
+
+def _tool_plan(chat: ChatCompletionRequest, route: ModelRoute) -> ToolPlan:
+    tools, tool_choice = chat.tool_definitions()
+    return plan_tools(tools, tool_choice, chat.parallel_tool_calls, route.config.name,
+                      route.config.tool_call_parser)  # fmt: skip
+
+
+def _thinking_refused(thinking: dict[str, Any] | None) -> None:
+    kind = (thinking or {}).get("type")
+    if kind not in (None, "disabled", "adaptive"):
+        raise InvalidRequest(f"thinking type {kind!r} is not supported", param="thinking")
+
+
+@blueprint.post("/v1/messages")
+@validate_request(MessagesRequest)
+async def messages(data: MessagesRequest) -> Any:
+    _thinking_refused(data.thinking)
+    chat = data.as_chat()
+
+    async def plan_for(route: ModelRoute, model: str) -> Generation:
+        plan = _tool_plan(chat, route)
+        options = chat.chat_options(plan.tools if plan.active else [])
+        params = chat.sampling_params(route.config, None, plan.constraint_schema())
+        inputs = [ChoiceInput(messages=[m.to_wire() for m in chat.messages], chat=options)]
+        text_plan = TextPlan(stop_sequences=list(data.stop_sequences or []))
+        return Generation(inputs, params, MessagesFormatter(model, plan), text_plan)
+
+    return await serve_generation(data.model, plan_for, data.stream, data.timeout)
+
+
+@blueprint.post("/v1/messages/count_tokens")
+@validate_request(CountTokensRequest)
+async def count_tokens(data: CountTokensRequest) -> Any:
+    """The prompt's tokens as the model's template renders it (tools included)."""
+    _thinking_refused(data.thinking)
+    chat = data.as_chat()
+    route = generation_route(data.model)
+    plan = _tool_plan(chat, route)
+    options = chat.chat_options(plan.tools if plan.active else [])
+    messages = [m.to_wire() for m in chat.messages]
+
+    def tokenize(rid: str) -> wire.Tokenize:
+        return wire.Tokenize(rid, None, messages, True, options)
+
+    reply = await serve_exchange(route, tokenize, ANSWER_TIMEOUT_S)
+    return jsonify({"input_tokens": len(reply.token_ids)})
