@@ -135,7 +135,8 @@ class MessagesRequest(BaseModel):
             if not isinstance(choice.get("name"), str):
                 raise _refuse("tool_choice", "tool_choice of type tool needs the tool's name")
             return tools, {"type": "function", "function": {"name": choice["name"]}}, parallel
-        mapped = {"auto": "auto", "any": "required", "none": "none"}.get(kind)  # type: ignore[arg-type]
+        modes = {"auto": "auto", "any": "required", "none": "none"}
+        mapped = modes.get(kind) if isinstance(kind, str) else None
         if mapped is None:
             raise _refuse("tool_choice", "tool_choice type must be auto, any, tool or none")
         return tools, mapped, parallel
@@ -228,8 +229,12 @@ def _check_keys(block: dict[str, Any], allowed: set[str], where: str) -> None:
 def _texts(blocks: list[dict[str, Any]], where: str) -> str:
     """Text blocks joined; any other block type is refused."""
     parts = []
+    if not isinstance(blocks, list):
+        raise _refuse(_field(where), f"{where} must be a string or a list of text blocks")
     for index, block in enumerate(blocks):
         at = f"{where}[{index}]"
+        if not isinstance(block, dict):
+            raise _refuse(_field(where), f"{at} must be a content block object")
         if block.get("type") != "text" or not isinstance(block.get("text"), str):
             kind = block.get("type")
             raise _refuse(_field(where), f"{at}: block type {kind!r} is not supported here")
