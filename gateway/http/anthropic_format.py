@@ -16,6 +16,8 @@ import json
 import secrets
 from typing import Any
 
+import jiter
+
 from gateway.errors import APIError
 from gateway.http.serving_path import Formatter
 from gateway.serving.outputs import ChoiceOutput, Delta
@@ -104,7 +106,7 @@ class MessagesFormatter(Formatter):
             content.append({"type": "thinking", "thinking": output.reasoning, "signature": ""})
         text, calls = output.text, []
         if self.tools is not None:
-            parsed = self.tools.read(output.text)
+            parsed = self.tools.read_final(output.text, cut=output.finish_reason is FinishReason.LENGTH)
             text, calls = parsed.content or "", parsed.calls
         if text or not (calls or content):
             content.append({"type": "text", "text": text})
@@ -130,7 +132,7 @@ class MessagesFormatter(Formatter):
         if self._stream is not None:
             pieces = self._stream.feed(delta.text)
             if delta.finish_reason is not None:
-                pieces += self._stream.finish()[0]
+                pieces += self._stream.finish(cut=delta.finish_reason is FinishReason.LENGTH)[0]
         for piece in pieces:
             if piece.get("content"):
                 out += self._into("text", {"type": "text", "text": ""})
@@ -197,9 +199,10 @@ class MessagesFormatter(Formatter):
 
 
 def _input_object(arguments: str) -> dict[str, Any]:
-    """A call's arguments as the object a tool_use block carries."""
+    """A call's arguments as the object a tool_use block carries; a call cut by max_tokens is read
+    as far as it goes (its last string as cut), as the SDK reads a streamed one."""
     try:
-        value = json.loads(arguments)
+        value = jiter.from_json(arguments.encode(), partial_mode="trailing-strings")
     except ValueError:
         return {}
     return value if isinstance(value, dict) else {}

@@ -230,7 +230,7 @@ class ResponseFormatter(Formatter):
         stream = self._tool_streams.setdefault(choice.index, ToolCallStream(self.tools))
         deltas = stream.feed(output.text)
         if output.finish_reason is not None:
-            tail, called = stream.finish()
+            tail, called = stream.finish(cut=output.finish_reason is FinishReason.LENGTH)
             deltas += tail
             finish = self._finish_reason(output.finish_reason, called)
         if not deltas:
@@ -264,7 +264,7 @@ class ResponseFormatter(Formatter):
             if self.chat:
                 message: dict[str, Any] = {"role": "assistant", "content": state.text}
                 if self.tools is not None:
-                    parsed = self.tools.read(state.text)
+                    parsed = self.tools.read_final(state.text, cut=state.finish_reason is FinishReason.LENGTH)
                     message["content"] = parsed.content
                     if parsed.calls:
                         message["tool_calls"] = [

@@ -150,6 +150,22 @@ def test_tool_use_round_trip(client: anthropic.Anthropic) -> None:
     assert calls[0].input["city"] in ("Paris", "Rome")  # type: ignore[index]
 
 
+def test_a_tool_use_cut_by_max_tokens(client: anthropic.Anthropic) -> None:
+    named = {"type": "tool", "name": "get_weather"}
+    kwargs = dict(model="m", messages=ASK, tools=[WEATHER], tool_choice=named, extra_body=GREEDY)
+    whole = client.messages.create(max_tokens=60, **kwargs)  # type: ignore[arg-type]
+    cut = client.messages.create(max_tokens=whole.usage.output_tokens - 2, **kwargs)  # type: ignore[arg-type]
+    assert cut.stop_reason == "max_tokens"
+    (call,) = [b for b in cut.content if b.type == "tool_use"]
+    assert call.name == "get_weather" and isinstance(call.input, dict)
+    city = call.input.get("city", "")
+    assert isinstance(city, str) and any(name.startswith(city) for name in ("Paris", "Rome"))
+    with client.messages.stream(max_tokens=whole.usage.output_tokens - 2, **kwargs) as stream:  # type: ignore[arg-type]
+        final = stream.get_final_message()
+    assert final.stop_reason == "max_tokens" and [b.type for b in final.content] == ["tool_use"]
+    assert final.content[0].input == call.input  # type: ignore[union-attr]
+
+
 def test_prefill_continues_the_assistant_turn(client: anthropic.Anthropic, gateway: GatewayProcess) -> None:
     ask = [*ASK, {"role": "assistant", "content": "The weather is"}]
     reply = client.messages.create(model="m", max_tokens=4, messages=ask, extra_body=GREEDY)
