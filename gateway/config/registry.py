@@ -36,6 +36,8 @@ RESERVED_ENV = frozenset({"CUDA_VISIBLE_DEVICES", "LOG_FORMAT"})
 DEFAULT_MODEL_CACHE = Path("~/.cache/llm-gateway/models")
 # Tool-call output formats the gateway can read (gateway.tools.parsers implements each).
 ToolCallParserName = Literal["hermes", "qwen", "llama3_json", "mistral"]
+# Reasoning output formats the gateway can split from the answer (gateway.reasoning.parsers).
+ReasoningParserName = Literal["deepseek_r1", "qwen3"]
 
 
 class _Strict(BaseModel):
@@ -133,6 +135,12 @@ class ModelConfig(_Strict):
         description="How tool calls are read from this model's output (tool_choice auto): hermes, "
         "qwen, llama3_json or mistral. Without one, tool_choice auto is refused.",
     )
+    reasoning_parser: ReasoningParserName | None = Field(
+        None,
+        description="How this model's thinking is split from its answer (<think>...</think>): deepseek_r1 "
+        "(the answer starts in thinking) or qwen3 (the same, unless chat_template_kwargs enable_thinking "
+        "is false). Without one, the whole output is the answer and reasoning budgets are refused.",
+    )
     # Set from the engine's settings after they are checked (gateway.config.engine_check).
     _weight_dirs: tuple[Path, ...] = PrivateAttr(default=())
     _reserve_vram_gb: float = PrivateAttr(default=0.0)
@@ -179,6 +187,8 @@ class ModelConfig(_Strict):
             raise ValueError("task embed runs on the transformers engine only")
         if self.task == "embed" and self.tool_call_parser is not None:
             raise ValueError("an embedding model has no tool_call_parser")
+        if self.task == "embed" and self.reasoning_parser is not None:
+            raise ValueError("an embedding model has no reasoning_parser")
         return self
 
     @model_validator(mode="after")

@@ -67,8 +67,9 @@ def usage_body(output: ChoiceOutput) -> dict[str, int]:
 class MessagesFormatter(Formatter):
     keepalive = event("ping", {"type": "ping"})
 
-    def __init__(self, model: str, tools: ToolPlan) -> None:
+    def __init__(self, model: str, tools: ToolPlan, thinking_shown: bool = True) -> None:
         self.id = "msg_" + secrets.token_hex(12)
+        self.thinking_shown = thinking_shown  # display: omitted sends thinking blocks without their text
         self.model = model
         self.tools = tools if tools.active else None
         self._stream = ToolCallStream(self.tools) if self.tools is not None else None
@@ -103,7 +104,8 @@ class MessagesFormatter(Formatter):
         output = owner.choices[0].output
         content: list[dict[str, Any]] = []
         if output.reasoning:
-            content.append({"type": "thinking", "thinking": output.reasoning, "signature": ""})
+            shown = output.reasoning if self.thinking_shown else ""
+            content.append({"type": "thinking", "thinking": shown, "signature": ""})
         text, calls = output.text, []
         if self.tools is not None:
             parsed = self.tools.read_final(output.text, cut=output.finish_reason is FinishReason.LENGTH)
@@ -127,10 +129,11 @@ class MessagesFormatter(Formatter):
         out: list[bytes] = []
         if delta.reasoning:
             out += self._into("thinking", {"type": "thinking", "thinking": "", "signature": ""})
-            out.append(self._delta({"type": "thinking_delta", "thinking": delta.reasoning}))
+            if self.thinking_shown:
+                out.append(self._delta({"type": "thinking_delta", "thinking": delta.reasoning}))
         pieces: list[dict[str, Any]] = [{"content": delta.text}] if delta.text else []
         if self._stream is not None:
-            pieces = self._stream.feed(delta.text)
+            pieces = self._stream.feed(delta.text) if delta.text else []
             if delta.finish_reason is not None:
                 pieces += self._stream.finish(cut=delta.finish_reason is FinishReason.LENGTH)[0]
         for piece in pieces:

@@ -33,14 +33,17 @@ def sse_error(body: dict[str, Any]) -> bytes:
     return b"event: error\n" + sse(body)
 
 
-def usage_body(choices: list[ChoiceOutput]) -> dict[str, Any]:
+def usage_body(choices: list[ChoiceOutput], reasoning: bool = False) -> dict[str, Any]:
     totals = usage_totals(choices)
-    return {
+    body: dict[str, Any] = {
         "prompt_tokens": totals.prompt_tokens,
         "completion_tokens": totals.completion_tokens,
         "total_tokens": totals.total_tokens,
         "prompt_tokens_details": {"cached_tokens": totals.cached_tokens},
     }
+    if reasoning:
+        body["completion_tokens_details"] = {"reasoning_tokens": totals.reasoning_tokens}
+    return body
 
 
 # ---- logprobs -------------------------------------------------------------------------------
@@ -106,7 +109,9 @@ class ResponseFormatter(Formatter):
     `tools` reads tool calls from chat output; `echo_logprobs` puts the prompt's logprobs before
     the completion's (completions with echo and logprobs); `prompt_logprobs` adds vLLM's field;
     `with_usage` ends a stream with a usage chunk (stream_options.include_usage);
-    `continuous_usage` puts the usage so far in every chunk (stream_options.continuous_usage_stats).
+    `continuous_usage` puts the usage so far in every chunk (stream_options.continuous_usage_stats);
+    `reasoning` (the model's reasoning parser splits this request's output) adds `reasoning_content`
+    to messages and deltas, and the reasoning tokens to the usage.
     """
 
     def __init__(
@@ -119,6 +124,7 @@ class ResponseFormatter(Formatter):
         prompt_logprobs: bool = False,
         with_usage: bool = False,
         continuous_usage: bool = False,
+        reasoning: bool = False,
     ) -> None:
         self.id = request_id
         self.model = model
@@ -128,6 +134,7 @@ class ResponseFormatter(Formatter):
         self.prompt_logprobs = prompt_logprobs
         self.with_usage = with_usage
         self.continuous_usage = continuous_usage
+        self.reasoning = reasoning
         self.created = int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
         self._echoed: set[int] = set()  # choices whose echo went out with their first chunk
@@ -185,7 +192,7 @@ class ResponseFormatter(Formatter):
             self._echoed.add(choice.index)
             echo = choice.input.echo
         prompt = output.prompt_logprobs if self.echo_logprobs else None
-        if not (output.text or output.finish_reason or output.logprobs or echo or prompt):
+        if not (output.text or output.reasoning or output.finish_reason or output.logprobs or echo or prompt):
             return b""
         state = choice.output
         logprobs = None
@@ -199,7 +206,9 @@ class ResponseFormatter(Formatter):
         if self.chat and self.tools is not None:
             return self._tool_chunks(choice, output, logprobs, finish, with_usage, usage_now)
         if self.chat:
-            delta = {"content": output.text} if output.text else {}
+            delta = {"reasoning_content": output.reasoning} if output.reasoning else {}
+            if output.text:
+                delta["content"] = output.text
             body: dict[str, Any] = {"index": choice.index, "delta": delta}
         else:
             body = {"index": choice.index, "text": echo + output.text}
@@ -212,7 +221,7 @@ class ResponseFormatter(Formatter):
     def _chunk(self, body: dict[str, Any], with_usage: bool, usage_now: list[ChoiceOutput] | None) -> bytes:
         envelope = self._envelope([body], chunk=True)
         if self.continuous_usage and usage_now is not None:
-            envelope["usage"] = usage_body(usage_now)
+            envelope["usage"] = usage_body(usage_now, self.reasoning)
         elif with_usage:
             envelope["usage"] = None
         return sse(envelope)
@@ -228,7 +237,10 @@ class ResponseFormatter(Formatter):
     ) -> bytes:
         assert self.tools is not None
         stream = self._tool_streams.setdefault(choice.index, ToolCallStream(self.tools))
-        deltas = stream.feed(output.text)
+        # Only text opens a call: a named call's header must not come before the thinking is over.
+        deltas = stream.feed(output.text) if output.text else []
+        if output.reasoning:  # the thinking comes first; tool calls are read from the answer only
+            deltas.insert(0, {"reasoning_content": output.reasoning})
         if output.finish_reason is not None:
             tail, called = stream.finish(cut=output.finish_reason is FinishReason.LENGTH)
             deltas += tail
@@ -253,7 +265,7 @@ class ResponseFormatter(Formatter):
 
     def usage_chunk(self, outputs: list[ChoiceOutput]) -> bytes:
         body = self._envelope([], chunk=True)
-        body["usage"] = usage_body(outputs)
+        body["usage"] = usage_body(outputs, self.reasoning)
         return sse(body)
 
     def final_body(self, choices: list[Choice]) -> dict[str, Any]:
@@ -263,6 +275,8 @@ class ResponseFormatter(Formatter):
             finish = state.finish_reason.value if state.finish_reason else None
             if self.chat:
                 message: dict[str, Any] = {"role": "assistant", "content": state.text}
+                if self.reasoning:
+                    message["reasoning_content"] = state.reasoning or None
                 if self.tools is not None:
                     parsed = self.tools.read_final(state.text, cut=state.finish_reason is FinishReason.LENGTH)
                     message["content"] = parsed.content
@@ -294,5 +308,5 @@ class ResponseFormatter(Formatter):
             # vLLM puts a chat request's prompt logprobs beside the choices (they share the prompt).
             first = choices[0].output.prompt_logprobs if choices else None
             envelope["prompt_logprobs"] = prompt_logprobs_body(first or [])
-        envelope["usage"] = usage_body([c.output for c in choices])
+        envelope["usage"] = usage_body([c.output for c in choices], self.reasoning)
         return envelope

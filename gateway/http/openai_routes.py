@@ -20,6 +20,8 @@ from gateway.http.current import current_gateway
 from gateway.http.openai_format import ResponseFormatter
 from gateway.http.schemas import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from gateway.http.serving_path import Generation, serve_exchange, serve_generation
+from gateway.reasoning.plan import plan_reasoning
+from gateway.serving.choice_text import TextPlan
 from gateway.serving.outputs import ChoiceInput
 from gateway.serving.router import ModelRoute
 from gateway.tools.plan import plan_tools
@@ -54,13 +56,16 @@ async def chat_completions(data: ChatCompletionRequest) -> Any:
         options = data.chat_options(plan.tools if plan.active else [])
         messages = [m.to_wire() for m in data.messages]
         check_generation_count(route, 1, data.n)
+        params = data.sampling_params(route.config, data.logprobs_count(), plan.constraint_schema())
+        params, reasoning = plan_reasoning(route.config, options.template_kwargs, data.thinking_token_budget,
+                                           "thinking_token_budget", params)  # fmt: skip
         formatter = ResponseFormatter(
             "chatcmpl-" + uuid.uuid4().hex, model, chat=True, tools=plan,
             prompt_logprobs=data.prompt_logprobs is not None, with_usage=data.include_usage_in_stream(),
-            continuous_usage=data.continuous_usage(),
+            continuous_usage=data.continuous_usage(), reasoning=reasoning is not None,
         )  # fmt: skip
-        params = data.sampling_params(route.config, data.logprobs_count(), plan.constraint_schema())
-        return Generation([ChoiceInput(messages=messages, chat=options)] * data.n, params, formatter)
+        inputs = [ChoiceInput(messages=messages, chat=options)] * data.n
+        return Generation(inputs, params, formatter, TextPlan(reasoning=reasoning))
 
     return await serve_generation(data.model, plan_for, data.stream, data.timeout)
 

@@ -22,6 +22,8 @@ from gateway.errors import InvalidRequest
 from gateway.http.responses_format import ResponseBuilder
 from gateway.http.schemas import ChatCompletionRequest, ChatMessage
 from gateway.http.serving_path import Generation, serve_generation
+from gateway.reasoning.plan import plan_reasoning
+from gateway.serving.choice_text import TextPlan
 from gateway.serving.outputs import ChoiceInput
 from gateway.serving.router import ModelRoute
 from wire.params import ChatOptions
@@ -56,6 +58,9 @@ class ResponsesRequest(BaseModel):
     metadata: dict[str, str] | None = None
     user: str | None = None
     timeout: float | None = Field(None, gt=0, description="Per-request deadline in seconds (extension).")
+    thinking_token_budget: int | None = Field(
+        None, ge=1, lt=2**31, description="Thinking tokens at most (vLLM's extension; a reasoning model)."
+    )
 
     def refuse_what_is_not_honoured(self) -> None:
         for field, value in (("previous_response_id", self.previous_response_id),
@@ -149,7 +154,11 @@ async def responses(data: ResponsesRequest) -> Any:
 
     async def plan_for(route: ModelRoute, model: str) -> Generation:
         params = chat.sampling_params(route.config, None)
+        params, reasoning = plan_reasoning(
+            route.config, {}, data.thinking_token_budget, "thinking_token_budget", params
+        )
         inputs = [ChoiceInput(messages=[m.to_wire() for m in chat.messages], chat=ChatOptions())]
-        return Generation(inputs, params, ResponseBuilder(model, data.echoed_settings()))
+        builder = ResponseBuilder(model, data.echoed_settings(), reasoning=reasoning is not None)
+        return Generation(inputs, params, builder, TextPlan(reasoning=reasoning))
 
     return await serve_generation(data.model, plan_for, data.stream, data.timeout)

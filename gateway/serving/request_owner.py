@@ -16,8 +16,15 @@ stream early (vLLM's AsyncLLM keeps one per-request queue and one abort path the
 | gateway shutdown            | the service (abort_all)        | ServiceUnavailable (503)      |
 | reload or unload of a model | the service (queued, or after  | ServiceUnavailable (503)      |
 |                             | the drain grace)               |                               |
+| a continuation fails        | its task (gateway.serving.     | the failure's error           |
+|                             | continuation)                  |                               |
 
-An abort also ends an admission still waiting (for a slot, or for the worker's answer).
+An abort also ends an admission still waiting (for a slot, or for the worker's answer), and every
+continuation task the request has.
+
+A choice's job can also give way to a continuation job mid-request (a thinking budget spent, or an
+output constraint that waits for the end of the thinking): `suspend` cancels the job but keeps the
+slot, and `restart_job` starts the next one on the same worker (gateway.serving.continuation).
 """
 
 from __future__ import annotations
@@ -40,12 +47,13 @@ from gateway.errors import (
     as_api_error,
 )
 from gateway.observability.logging_setup import set_log_context
-from gateway.serving.choice_text import ChoiceText, TextPlan
+from gateway.serving.choice_text import ChoiceText, Cut, TextPlan
+from gateway.serving.continuation import continue_choice
 from gateway.serving.outputs import ChoiceInput, ChoiceOutput, Delta, usage_totals
 from gateway.serving.router import AdmissionStopped
 from wire import messages as wire
 from wire.params import SamplingParams
-from wire.results import AbortReason, JobOutput, RejectCode
+from wire.results import AbortReason, FinishReason, JobOutput, RejectCode
 
 if TYPE_CHECKING:
     from gateway.observability.metrics import RequestRecorder
@@ -166,6 +174,8 @@ class RequestOwner:
         self.last_activity = self.last_consumed = time.monotonic()
         self._unfinished = len(self.choices)
         self._deadline_timer: asyncio.TimerHandle | None = None
+        self._continuations: set[asyncio.Task[None]] = set()
+        self.token_cache: dict[tuple[str, Any], asyncio.Future[list[int]]] = {}  # continuations' prompts
         self._task = asyncio.current_task()
         service.requests.add(self)
         if self._task is not None:
@@ -275,10 +285,15 @@ class RequestOwner:
     def on_output(self, choice: Choice, output: JobOutput) -> None:
         if self.ended or choice.finished:
             return  # the request already ended; its jobs were cancelled
-        delta = choice.text.take(output)
+        delta, cut = choice.text.take(output)
+        # A finish the gateway decided (a stop sequence it matched) leaves a job to cancel.
+        self._deliver(choice, delta, cancel=output.finish_reason is None)
+        if cut is not None and not self.ended:
+            self.suspend(choice, cut)
+
+    def _deliver(self, choice: Choice, delta: Delta, cancel: bool) -> None:
         if delta.finish_reason is not None:
-            # A finish the gateway decided (a stop sequence it matched) leaves a job to cancel.
-            choice.end_job(cancel=output.finish_reason is None)
+            choice.end_job(cancel=cancel)
             self._unfinished -= 1
         if self.queue.qsize() >= MAX_PENDING_OUTPUTS:
             logger.warning("client is not reading; dropping its stream")
@@ -289,6 +304,46 @@ class RequestOwner:
         if self._unfinished == 0:
             self.ended = True
             self.queue.put_nowait(_End())
+
+    # ---- continuations -----------------------------------------------------------------------
+
+    def suspend(self, choice: Choice, cut: Cut) -> None:
+        """Cancel the choice's job (its slot stays taken) and start the continuation that follows."""
+        link = self.service.link
+        if choice.sent and choice.worker_id is not None:
+            link.send(choice.worker_id, wire.Cancel(choice.rid))
+        link.remove_job(choice.rid)
+        choice.sent = False  # the link no longer knows the job: nothing more of it arrives
+        task = asyncio.get_running_loop().create_task(continue_choice(self, choice, cut), name="continuation")
+        self._continuations.add(task)
+        task.add_done_callback(self._continuations.discard)
+
+    async def restart_job(
+        self, choice: Choice, prompt_token_ids: list[int], params: SamplingParams
+    ) -> wire.Accepted | wire.Rejected:
+        """A suspended choice's next job, on the same worker and slot; the worker's answer to it."""
+        link = self.service.link
+        assert choice.worker_id is not None
+        # Its outputs may arrive right behind its Accepted, before this task runs again.
+        choice.text.continued_job()
+        choice.rid = uuid.uuid4().hex
+        choice.accepted = asyncio.get_running_loop().create_future()
+        link.add_job(choice)
+        frame = wire.encode(wire.Generate(choice.rid, None, prompt_token_ids, None, params, None))
+        choice.sent = link.send_frame(choice.worker_id, frame, is_generate=True)
+        if not choice.sent:
+            raise WorkerFailed(f"the worker for model '{self.route.config.name}' is unreachable")
+        answer = await self._wait_accepted(choice)
+        if isinstance(answer, _NotStarted):
+            raise answer.error
+        if isinstance(answer, wire.Rejected):
+            link.remove_job(choice.rid)
+            choice.sent = False  # the worker holds nothing for it
+        return answer  # type: ignore[no-any-return]
+
+    def finish_suspended(self, choice: Choice, reason: FinishReason) -> None:
+        """End a choice for which no job runs (its continuation had no room left)."""
+        self._deliver(choice, Delta(finish_reason=reason, usage=choice.text.usage_now()), cancel=False)
 
     async def events(self) -> AsyncIterator[tuple[int, Delta] | object]:
         """(choice index, output) in arrival order, and KEEPALIVE on a quiet stream; ends when every
@@ -369,6 +424,10 @@ class RequestOwner:
             return
         for choice in self.choices:
             choice.end_job(cancel=True)
+        for task in self._continuations:
+            task.cancel()
+        for pending in self.token_cache.values():
+            pending.cancel()
         self._unfinished = 0
         if self.ended:
             return  # every job had finished; only the client's reading was left
