@@ -109,6 +109,10 @@ def test_example_registries_are_valid(path: Path) -> None:
             "  - {name: m2, engine: transformers, path: y, aliases: [m1]}",
             ["'m1'", "already used"],
         ),
+        (
+            "  - {name: m1, engine: transformers, path: x, reasoning_parser: o1}",
+            ["model 'm1'", "field 'reasoning_parser'", "'deepseek_r1' or 'qwen3'"],
+        ),
     ],
 )
 def test_errors_name_file_model_and_field(tmp_path: Path, snippet: str, expected: list[str]) -> None:
