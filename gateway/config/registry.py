@@ -224,6 +224,26 @@ class RemoteWorkersConfig(_Strict):
     )
 
 
+class ResponseStoreConfig(_Strict):
+    """Where the Responses API keeps responses stored with `store: true` (and for how long)."""
+
+    backend: Literal["sqlite", "none"] = Field(
+        "sqlite", description="sqlite: a file on this host. none: nothing is stored (store: true is a 400)."
+    )
+    path: Path = Field(
+        Path("~/.local/share/llm-gateway/responses.sqlite3"),
+        description="The SQLite file, relative to the registry file; created at the first stored response.",
+    )
+    retention_s: float = Field(
+        30 * 86400.0, gt=0, description="A stored response is deleted this long after it was created."
+    )
+    store_by_default: bool = Field(
+        False,
+        description="What a request that leaves `store` out gets (OpenAI's default is true: set this for "
+        "clients that rely on it).",
+    )
+
+
 class ServerConfig(_Strict):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
@@ -290,6 +310,9 @@ class ServerConfig(_Strict):
         None,
         description="Where hf:// models are downloaded, relative to the registry file; default "
         "~/.cache/llm-gateway/models.",
+    )
+    responses: ResponseStoreConfig = Field(
+        default_factory=ResponseStoreConfig, description="Stored responses of the Responses API."
     )
 
 

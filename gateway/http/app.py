@@ -44,6 +44,7 @@ from gateway.http.json_body import JsonRequest
 from gateway.http.request_log import begin_request, end_request, finish_request
 from gateway.observability.metrics import GatewayMetrics, count_response
 from gateway.reloads import Reloads
+from gateway.state.response_store import open_store
 
 logger = logging.getLogger(__name__)
 
@@ -105,6 +106,8 @@ def create_app(registry: Registry) -> Quart:
     app.extensions["auth"] = authenticator
     app.extensions["metrics"] = GatewayMetrics(gateway)
     app.extensions["reloads"] = Reloads(gateway, authenticator.use_registry)
+    base = registry.source.parent if registry.source is not None else Path.cwd()
+    app.extensions["response_store"] = open_store(registry.server.responses, base)
     # The request id first, so a refused request is logged and answered with one too.
     app.before_request(begin_request)
     app.before_request(BrowserGuard(registry.server, lambda: authenticator.enabled).before_request)
@@ -130,6 +133,8 @@ def create_app(registry: Registry) -> Quart:
         await gateway.supervisor.stop(registry.server.shutdown_grace_s)
         await gateway.service.stop()
         await gateway.link.close()
+        if app.extensions["response_store"] is not None:
+            await app.extensions["response_store"].close()
         if registry.server.runtime_dir is None:
             shutil.rmtree(runtime_dir, ignore_errors=True)
         logger.info("gateway stopped")

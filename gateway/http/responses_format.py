@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from gateway.errors import APIError
@@ -36,6 +37,8 @@ class ResponseBuilder(Formatter):
         self.created_at = int(time.time())
         self.settings = settings  # instructions, temperature, top_p, max_output_tokens, text, metadata
         self.reasoning = reasoning
+        # Called with the final response object before the client gets it (store: true).
+        self.keep: Callable[[dict[str, Any], ChoiceOutput], Awaitable[None]] | None = None
         self._sequence = 0
         self._items: list[str] = []  # the kinds of the output items opened so far, in order
         self._open: str | None = None  # the kind of the item being streamed
@@ -58,6 +61,11 @@ class ResponseBuilder(Formatter):
             where = self._where()
             out.append(self.event("response.output_text.delta", **where, delta=delta.text, logprobs=[]))
         return b"".join(out)
+
+    async def finished(self, owner: RequestOwner) -> None:
+        if self.keep is not None:
+            output = owner.choices[0].output
+            await self.keep(self.response(self.final_status(output), output), output)
 
     def closing(self, owner: RequestOwner) -> bytes:
         output = owner.choices[0].output

@@ -28,7 +28,9 @@ from tests.integration.conftest import demo_entry, write_registry
 @pytest.fixture(scope="module")
 def fuzz_gateway(tmp_path_factory: pytest.TempPathFactory, demo_model_dir: Path) -> Iterator[GatewayProcess]:
     entry = demo_entry("m", demo_model_dir, max_seq_len=256, defaults={"max_tokens": 8})
-    config = write_registry(tmp_path_factory.mktemp("fuzz") / "models.yaml", [entry])
+    # Fuzzed bodies may ask for store: true; their responses stay in the test's folder.
+    config = write_registry(tmp_path_factory.mktemp("fuzz") / "models.yaml", [entry],
+                            responses={"path": "responses.sqlite3"})  # fmt: skip
     with GatewayProcess(config) as gateway:
         yield gateway
 
