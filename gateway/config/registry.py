@@ -141,6 +141,12 @@ class ModelConfig(_Strict):
         "(the answer starts in thinking) or qwen3 (the same, unless chat_template_kwargs enable_thinking "
         "is false). Without one, the whole output is the answer and reasoning budgets are refused.",
     )
+    fallbacks: list[str] = Field(
+        default_factory=list,
+        description="Models (names or aliases) that answer in this one's place, in order, when its queue is "
+        "full or none of its workers is ready; the response's model says which answered. Not followed "
+        "further (a fallback's own fallbacks are not tried).",
+    )
     # Set from the engine's settings after they are checked (gateway.config.engine_check).
     _weight_dirs: tuple[Path, ...] = PrivateAttr(default=())
     _reserve_vram_gb: float = PrivateAttr(default=0.0)
@@ -430,6 +436,23 @@ def _hub_refs(raw: Any, registry: Registry, source: Path) -> list[HubRef | None]
     return refs
 
 
+def _check_fallbacks(registry: Registry, source: Path) -> None:
+    """Each fallback names another model of the same task."""
+    errors = []
+    for model in registry.models:
+        for name in model.fallbacks:
+            other = registry.model(name)
+            where = f"{source}: model {model.name!r}, field 'fallbacks'"
+            if other is None:
+                errors.append(f"{where}: {name!r} is not a model of this registry")
+            elif other.name == model.name:
+                errors.append(f"{where}: {name!r} is this model itself")
+            elif other.task != model.task:
+                errors.append(f"{where}: {name!r} has task {other.task}, this model has task {model.task}")
+    if errors:
+        raise ConfigError("\n".join(errors))
+
+
 def parse_registry(raw: Any, source: Path, check_engines: bool = True) -> Registry:
     """Validate already-parsed YAML; relative paths resolve against the file's folder. With
     `check_engines`, each model's engine_settings are validated by its engine's settings model."""
@@ -442,6 +465,7 @@ def parse_registry(raw: Any, source: Path, check_engines: bool = True) -> Regist
     except ValidationError as exc:
         lines = [f"{source}: {_describe(e, raw)}" for e in exc.errors()]
         raise ConfigError("\n".join(lines)) from None
+    _check_fallbacks(registry, source)
     base = source.parent
     cache = registry.server.model_cache_dir
     cache_dir = (base / cache).resolve() if cache is not None else DEFAULT_MODEL_CACHE.expanduser()

@@ -6,12 +6,16 @@ embeddings, tokenize): opening the request's owner (so a drain, a reload or a sh
 admission (refusals are HTTP errors before any stream opens), then either one JSON body or an SSE
 stream that writes what is already queued as one chunk, keep-alives on a quiet stream, an error
 event when the request ends early after the stream opened, and the owner's close on every path,
-a client's disconnect included. A surface brings a `Formatter` (its JSON and event shapes) and the
-choice inputs and sampling parameters for the model that will answer.
+a client's disconnect included; and fallbacks: a model whose queue is full or which has no ready
+worker hands the request to the first of its registry `fallbacks` that can take it, and the
+response names the model that answered. A surface brings a `Formatter` (its JSON and event
+shapes) and the choice inputs and sampling parameters for the model that will answer, built for
+that model (its defaults, tool and reasoning parsers), so a fallback gets its own.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -19,9 +23,10 @@ from typing import Any
 from quart import Response, jsonify
 
 from gateway.errors import APIError, InvalidRequest
+from gateway.http.auth import may_use
 from gateway.http.current import current_gateway
 from gateway.observability.logging_setup import set_log_context
-from gateway.observability.metrics import start_request
+from gateway.observability.metrics import count_fallback, start_request
 from gateway.serving.choice_text import TextPlan
 from gateway.serving.exchange_owner import OneShot
 from gateway.serving.outputs import ChoiceInput, Delta
@@ -29,6 +34,7 @@ from gateway.serving.request_owner import KEEPALIVE, RequestOwner
 from gateway.serving.router import ModelRoute
 from wire.params import SamplingParams
 
+logger = logging.getLogger(__name__)
 SSE_KEEPALIVE = b": keepalive\n\n"
 
 
@@ -86,11 +92,13 @@ def generation_route(model: str) -> ModelRoute:
 
 
 async def serve_generation(model: str, plan_for: PlanFor, stream: bool, timeout: float | None) -> Any:
-    """Admit the request on `model` and answer it: one JSON body, or an SSE stream."""
+    """Admit the request on `model` (or on one of its fallbacks) and answer it: one JSON body, or an
+    SSE stream."""
     gateway = current_gateway()
     route = generation_route(model)
-    set_log_context(model=route.config.name)  # the canonical name, on every line of this request
     generation = await plan_for(route, model)
+    route, generation = await _fallback_if_needed(route, generation, plan_for)
+    set_log_context(model=route.config.name)  # the canonical name, on every line of this request
     deadline = gateway.router.deadline_for(route, timeout)
     recorder = start_request(route.config.name)
     owner = gateway.service.open(
@@ -107,6 +115,37 @@ async def serve_generation(model: str, plan_for: PlanFor, stream: bool, timeout:
         return jsonify(formatter.body(owner))
     finally:
         owner.close()
+
+
+async def _fallback_if_needed(
+    primary: ModelRoute, generation: Generation, plan_for: PlanFor
+) -> tuple[ModelRoute, Generation]:
+    """The route that serves the request: `primary`, unless its queue is full or none of its workers
+    is ready and one of its `fallbacks` (that this key may use) would take the request now. The
+    check and the admission that follows share one turn of the event loop, so nothing changes
+    between them. When no fallback can take it, the primary's own rules apply (wait, or refuse)."""
+    if not primary.config.fallbacks:
+        return primary, generation
+    size = sum(choice.size_estimate() for choice in generation.inputs)
+    reason = primary.fallback_reason(len(generation.inputs), size)
+    if reason is None:
+        return primary, generation
+    router = current_gateway().router
+    for name in primary.config.fallbacks:
+        try:
+            route = router.route(name)
+        except APIError:
+            continue  # removed by a reload since the registry was checked
+        if route.config.task != "generate" or not may_use(route.config.name):
+            continue
+        candidate = await plan_for(route, route.config.name)  # the response names who answered
+        if route.fallback_reason(len(candidate.inputs), size) is None:
+            logger.info(
+                "model %s: %s; model %s answers instead", primary.config.name, reason, route.config.name
+            )
+            count_fallback(primary.config.name, route.config.name, reason)
+            return route, candidate
+    return primary, generation
 
 
 def event_stream(body: AsyncIterator[bytes]) -> Response:

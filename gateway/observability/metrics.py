@@ -111,6 +111,13 @@ class GatewayMetrics:
             buckets=_PHASE_BUCKETS,
             registry=r,
         )
+        self.fallbacks = Counter(
+            "gateway_fallbacks",
+            "Requests a fallback model answered, by the model asked for, the one that answered and why "
+            "(queue_full, no_ready_worker).",
+            ["model", "fallback", "reason"],
+            registry=r,
+        )
         self.recent = RecentRequests()
         r.register(WorkerCollector(gateway))
         # process_cpu_seconds_total, process_resident_memory_bytes, open fds...: the gateway process.
@@ -224,6 +231,12 @@ def _percentile_ms(ordered: list[float], q: float) -> float | None:
 def _endpoint() -> str:
     # The matched rule, not the raw path: label values must stay few whatever clients send.
     return request.url_rule.rule if request.url_rule is not None else "unmatched"
+
+
+def count_fallback(model: str, fallback: str, reason: str) -> None:
+    """The current request goes to `fallback` instead of `model` (both canonical names)."""
+    current_app.extensions["metrics"].fallbacks.labels(model, fallback, reason).inc()
+    g.fallback_from = (model, reason)
 
 
 def start_request(model: str) -> RequestRecorder:
