@@ -226,12 +226,12 @@ def _check_keys(block: dict[str, Any], allowed: set[str], where: str) -> None:
             raise _refuse(_field(where), f"{where}.{key} is not supported")
 
 
-def _texts(blocks: list[dict[str, Any]], where: str) -> str:
-    """Text blocks joined; any other block type is refused."""
+def _texts(blocks: list[dict[str, Any]], where: str, first: int = 0) -> str:
+    """Text blocks joined; any other block type is refused (`first`: the first block's index)."""
     parts = []
     if not isinstance(blocks, list):
         raise _refuse(_field(where), f"{where} must be a string or a list of text blocks")
-    for index, block in enumerate(blocks):
+    for index, block in enumerate(blocks, start=first):
         at = f"{where}[{index}]"
         if not isinstance(block, dict):
             raise _refuse(_field(where), f"{at} must be a content block object")
@@ -261,7 +261,7 @@ def _user_turn(blocks: list[dict[str, Any]], where: str) -> list[ChatMessage]:
                 text = f"Error: {text}"  # the template has no field for it; the model must still know
             results.append(ChatMessage(role="tool", content=text, tool_call_id=block["tool_use_id"]))
         else:
-            texts.append(_texts([block], where))
+            texts.append(_texts([block], where, index))
     messages = results
     if texts or not results:
         messages.append(ChatMessage(role="user", content="".join(texts)))
@@ -288,7 +288,7 @@ def _assistant_turn(blocks: list[dict[str, Any]], where: str) -> ChatMessage:
         elif kind in ("thinking", "redacted_thinking"):
             continue  # earlier turns' reasoning is not rendered (reasoning templates drop it)
         else:
-            texts.append(_texts([block], where))
+            texts.append(_texts([block], where, index))
     return ChatMessage(role="assistant", content="".join(texts), tool_calls=calls or None)
 
 
