@@ -73,6 +73,15 @@ class ModelNotFound(APIError):
         super().__init__(f"The model '{model}' does not exist", param="model")
 
 
+class NotFound(APIError):
+    """A stored object (a response) that does not exist, or that this API key may not see."""
+
+    status = 404
+    type = "invalid_request_error"
+    code = "not_found"
+    retryable = False
+
+
 class Conflict(APIError):
     """The action conflicts with one already under way (a second reload while one applies)."""
 

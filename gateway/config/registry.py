@@ -36,6 +36,8 @@ RESERVED_ENV = frozenset({"CUDA_VISIBLE_DEVICES", "LOG_FORMAT"})
 DEFAULT_MODEL_CACHE = Path("~/.cache/llm-gateway/models")
 # Tool-call output formats the gateway can read (gateway.tools.parsers implements each).
 ToolCallParserName = Literal["hermes", "qwen", "llama3_json", "mistral"]
+# Reasoning output formats the gateway can split from the answer (gateway.reasoning.parsers).
+ReasoningParserName = Literal["deepseek_r1", "qwen3"]
 
 
 class _Strict(BaseModel):
@@ -147,6 +149,18 @@ class ModelConfig(_Strict):
         description="How tool calls are read from this model's output (tool_choice auto): hermes, "
         "qwen, llama3_json or mistral. Without one, tool_choice auto is refused.",
     )
+    reasoning_parser: ReasoningParserName | None = Field(
+        None,
+        description="How this model's thinking is split from its answer (<think>...</think>): deepseek_r1 "
+        "(the answer starts in thinking) or qwen3 (the same, unless chat_template_kwargs enable_thinking "
+        "is false). Without one, the whole output is the answer and reasoning budgets are refused.",
+    )
+    fallbacks: list[str] = Field(
+        default_factory=list,
+        description="Models (names or aliases) that answer in this one's place, in order, when its queue is "
+        "full or none of its workers is ready; the response's model says which answered. Not followed "
+        "further (a fallback's own fallbacks are not tried).",
+    )
     # Set from the engine's settings after they are checked (gateway.config.engine_check).
     _weight_dirs: tuple[Path, ...] = PrivateAttr(default=())
     _reserve_vram_gb: float = PrivateAttr(default=0.0)
@@ -193,6 +207,8 @@ class ModelConfig(_Strict):
             raise ValueError("task embed runs on the transformers engine only")
         if self.task == "embed" and self.tool_call_parser is not None:
             raise ValueError("an embedding model has no tool_call_parser")
+        if self.task == "embed" and self.reasoning_parser is not None:
+            raise ValueError("an embedding model has no reasoning_parser")
         return self
 
     @model_validator(mode="after")
@@ -225,6 +241,26 @@ class RemoteWorkersConfig(_Strict):
     max_workers_per_key: int = Field(8, ge=1, description="Remote workers known at once with one key.")
     forget_lost_after_s: float = Field(
         600.0, gt=0, description="A remote worker lost for this long is forgotten (its entry removed)."
+    )
+
+
+class ResponseStoreConfig(_Strict):
+    """Where the Responses API keeps responses stored with `store: true` (and for how long)."""
+
+    backend: Literal["sqlite", "none"] = Field(
+        "sqlite", description="sqlite: a file on this host. none: nothing is stored (store: true is a 400)."
+    )
+    path: Path = Field(
+        Path("~/.local/share/llm-gateway/responses.sqlite3"),
+        description="The SQLite file, relative to the registry file; created at the first stored response.",
+    )
+    retention_s: float = Field(
+        30 * 86400.0, gt=0, description="A stored response is deleted this long after it was created."
+    )
+    store_by_default: bool = Field(
+        False,
+        description="What a request that leaves `store` out gets (OpenAI's default is true: set this for "
+        "clients that rely on it).",
     )
 
 
@@ -308,6 +344,9 @@ class ServerConfig(_Strict):
     )
     redis_key_prefix: str = Field(
         "llm-gateway:", min_length=1, description="Prefix of every Redis key the gateways write."
+    )
+    responses: ResponseStoreConfig = Field(
+        default_factory=ResponseStoreConfig, description="Stored responses of the Responses API."
     )
 
 
@@ -425,6 +464,23 @@ def _hub_refs(raw: Any, registry: Registry, source: Path) -> list[HubRef | None]
     return refs
 
 
+def _check_fallbacks(registry: Registry, source: Path) -> None:
+    """Each fallback names another model of the same task."""
+    errors = []
+    for model in registry.models:
+        for name in model.fallbacks:
+            other = registry.model(name)
+            where = f"{source}: model {model.name!r}, field 'fallbacks'"
+            if other is None:
+                errors.append(f"{where}: {name!r} is not a model of this registry")
+            elif other.name == model.name:
+                errors.append(f"{where}: {name!r} is this model itself")
+            elif other.task != model.task:
+                errors.append(f"{where}: {name!r} has task {other.task}, this model has task {model.task}")
+    if errors:
+        raise ConfigError("\n".join(errors))
+
+
 def parse_registry(raw: Any, source: Path, check_engines: bool = True) -> Registry:
     """Validate already-parsed YAML; relative paths resolve against the file's folder. With
     `check_engines`, each model's engine_settings are validated by its engine's settings model."""
@@ -437,6 +493,7 @@ def parse_registry(raw: Any, source: Path, check_engines: bool = True) -> Regist
     except ValidationError as exc:
         lines = [f"{source}: {_describe(e, raw)}" for e in exc.errors()]
         raise ConfigError("\n".join(lines)) from None
+    _check_fallbacks(registry, source)
     base = source.parent
     cache = registry.server.model_cache_dir
     cache_dir = (base / cache).resolve() if cache is not None else DEFAULT_MODEL_CACHE.expanduser()

@@ -1,7 +1,8 @@
 """The Quart app factory: routes, error rendering, and the lifecycle of the gateway's parts.
 
 Runs in the gateway process. `before_serving` binds the worker socket and spawns workers;
-`after_serving` drains and stops them. Every error leaves in OpenAI's shape, without a traceback.
+`after_serving` drains and stops them. Every error leaves in OpenAI's shape (Anthropic's on the
+Messages routes), without a traceback.
 quart-schema validates request bodies with the pydantic models the routes declare, and generates
 the OpenAPI description (/openapi.json) and interactive docs (/docs) from the routes themselves.
 """
@@ -26,6 +27,7 @@ from gateway.core import Gateway
 from gateway.errors import APIError, InvalidRequest, error_body
 from gateway.http import (
     admin_routes,
+    anthropic_routes,
     dashboard,
     embedding_routes,
     health_routes,
@@ -35,12 +37,15 @@ from gateway.http import (
     responses_routes,
     tokenize_routes,
 )
+from gateway.http.anthropic_format import anthropic_error_body
+from gateway.http.anthropic_routes import is_anthropic_request
 from gateway.http.auth import Authenticator
 from gateway.http.browser_guard import BrowserGuard
 from gateway.http.json_body import JsonRequest
 from gateway.http.request_log import begin_request, end_request, finish_request
 from gateway.observability.metrics import GatewayMetrics, count_response
 from gateway.reloads import Reloads
+from gateway.state.response_store import open_store
 
 logger = logging.getLogger(__name__)
 
@@ -103,6 +108,8 @@ def create_app(registry: Registry) -> Quart:
     app.extensions["auth"] = authenticator
     app.extensions["metrics"] = GatewayMetrics(gateway, counters.add_usage)
     app.extensions["reloads"] = Reloads(gateway, authenticator.use_registry)
+    base = registry.source.parent if registry.source is not None else Path.cwd()
+    app.extensions["response_store"] = open_store(registry.server.responses, base)
     # The request id first, so a refused request is logged and answered with one too.
     app.before_request(begin_request)
     app.before_request(BrowserGuard(registry.server, lambda: authenticator.enabled).before_request)
@@ -110,8 +117,8 @@ def create_app(registry: Registry) -> Quart:
     app.after_request(count_response)
     app.after_request(finish_request)
     app.teardown_request(end_request)
-    for module in (openai_routes, embedding_routes, responses_routes, health_routes, probe_routes,
-                   tokenize_routes, admin_routes, metrics_route, dashboard):  # fmt: skip
+    for module in (openai_routes, embedding_routes, responses_routes, anthropic_routes, health_routes,
+                   probe_routes, tokenize_routes, admin_routes, metrics_route, dashboard):  # fmt: skip
         app.register_blueprint(module.blueprint)
 
     @app.before_serving
@@ -130,13 +137,16 @@ def create_app(registry: Registry) -> Quart:
         await gateway.service.stop()
         await gateway.link.close()
         await counters.stop()
+        if app.extensions["response_store"] is not None:
+            await app.extensions["response_store"].close()
         if registry.server.runtime_dir is None:
             shutil.rmtree(runtime_dir, ignore_errors=True)
         logger.info("gateway stopped")
 
     @app.errorhandler(APIError)
     async def api_error(error: APIError) -> Any:
-        return jsonify(error.body()), error.status, error.headers
+        body = anthropic_error_body(error.status, error.message) if is_anthropic_request() else error.body()
+        return jsonify(body), error.status, error.headers
 
     @app.errorhandler(RequestSchemaValidationError)
     async def schema_error(error: RequestSchemaValidationError) -> Any:
@@ -145,6 +155,8 @@ def create_app(registry: Registry) -> Quart:
     @app.errorhandler(HTTPException)
     async def http_error(error: HTTPException) -> Any:
         status = error.code or 500
+        if is_anthropic_request():
+            return jsonify(anthropic_error_body(status, error.description or error.name)), status
         body = error_body(
             error.description or error.name,
             _HTTP_ERROR_TYPES.get(status, "invalid_request_error"),
@@ -155,6 +167,8 @@ def create_app(registry: Registry) -> Quart:
     @app.errorhandler(Exception)
     async def unexpected_error(error: Exception) -> Any:
         logger.exception("unhandled error")
+        if is_anthropic_request():
+            return jsonify(anthropic_error_body(500, "internal server error")), 500
         return jsonify(error_body("internal server error", "server_error", None, "internal_error")), 500
 
     return app

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import base64
 import struct
-import uuid
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -20,6 +19,7 @@ from quart_schema import validate_request
 from gateway.errors import InvalidRequest
 from gateway.http.current import current_gateway
 from gateway.http.schemas import TokenId
+from gateway.http.serving_path import serve_exchange
 from gateway.observability.logging_setup import set_log_context
 from gateway.observability.metrics import start_request
 from wire import messages as wire
@@ -77,9 +77,11 @@ async def embeddings(data: EmbeddingRequest) -> Any:
         raise InvalidRequest("truncate_prompt_tokens is not supported", param="truncate_prompt_tokens")
     texts, token_ids = data.inputs()
     size = sum(len(t) // 4 for t in texts or []) + sum(len(ids) for ids in token_ids or [])
-    deadline = gateway.router.deadline_for(route, data.timeout)
     recorder = start_request(route.config.name)  # an error is counted with its status after the route
-    reply = await gateway.service.embed(route, wire.Embed(uuid.uuid4().hex, texts, token_ids), size, deadline)
+    # Through its owner like a generation: a drain, a reload or a shutdown sees it.
+    reply = await serve_exchange(
+        route, lambda rid: wire.Embed(rid, texts, token_ids), data.timeout, slot_work=size
+    )
     width = len(reply.vectors[0]) if reply.vectors else 0
     if data.dimensions is not None and data.dimensions != width:
         raise InvalidRequest(f"dimensions must be this model's {width} (no truncation)", param="dimensions")

@@ -3,7 +3,7 @@
 Runs in the gateway process. Owns the exact JSON shapes OpenAI clients parse: chunk objects,
 final responses, usage and logprobs in both the chat and the completions flavour, tool calls
 (read from the text by gateway.tools) and vLLM's prompt logprobs. Pure functions of the choices'
-outputs (gateway.serving) and the typed JobOutputs the workers sent; no I/O.
+outputs (gateway.serving) and the Deltas made of the workers' outputs; no I/O.
 """
 
 from __future__ import annotations
@@ -12,16 +12,17 @@ import json
 import time
 from typing import TYPE_CHECKING, Any
 
-from gateway.serving.outputs import ChoiceOutput, usage_totals
+from gateway.errors import APIError
+from gateway.http.serving_path import Formatter
+from gateway.serving.outputs import ChoiceOutput, Delta, usage_totals
 from gateway.tools.plan import ToolPlan
 from gateway.tools.stream import ToolCallStream
-from wire.results import FinishReason, JobOutput, TokenLogprob
+from wire.results import FinishReason, TokenLogprob
 
 if TYPE_CHECKING:
-    from gateway.serving.request_owner import Choice
+    from gateway.serving.request_owner import Choice, RequestOwner
 
 SSE_DONE = b"data: [DONE]\n\n"
-SSE_KEEPALIVE = b": keepalive\n\n"
 
 
 def sse(payload: dict[str, Any]) -> bytes:
@@ -32,14 +33,17 @@ def sse_error(body: dict[str, Any]) -> bytes:
     return b"event: error\n" + sse(body)
 
 
-def usage_body(choices: list[ChoiceOutput]) -> dict[str, Any]:
+def usage_body(choices: list[ChoiceOutput], reasoning: bool = False) -> dict[str, Any]:
     totals = usage_totals(choices)
-    return {
+    body: dict[str, Any] = {
         "prompt_tokens": totals.prompt_tokens,
         "completion_tokens": totals.completion_tokens,
         "total_tokens": totals.total_tokens,
         "prompt_tokens_details": {"cached_tokens": totals.cached_tokens},
     }
+    if reasoning:
+        body["completion_tokens_details"] = {"reasoning_tokens": totals.reasoning_tokens}
+    return body
 
 
 # ---- logprobs -------------------------------------------------------------------------------
@@ -99,12 +103,15 @@ def prompt_logprobs_body(entries: list[TokenLogprob]) -> list[dict[str, Any] | N
 # ---- envelopes ------------------------------------------------------------------------------
 
 
-class ResponseFormatter:
+class ResponseFormatter(Formatter):
     """Builds chunks and final bodies for one request; `chat` picks the flavour.
 
     `tools` reads tool calls from chat output; `echo_logprobs` puts the prompt's logprobs before
     the completion's (completions with echo and logprobs); `prompt_logprobs` adds vLLM's field;
-    `continuous_usage` puts the usage so far in every chunk (stream_options.continuous_usage_stats).
+    `with_usage` ends a stream with a usage chunk (stream_options.include_usage);
+    `continuous_usage` puts the usage so far in every chunk (stream_options.continuous_usage_stats);
+    `reasoning` (the model's reasoning parser splits this request's output) adds `reasoning_content`
+    to messages and deltas, and the reasoning tokens to the usage.
     """
 
     def __init__(
@@ -115,7 +122,9 @@ class ResponseFormatter:
         tools: ToolPlan | None = None,
         echo_logprobs: bool = False,
         prompt_logprobs: bool = False,
+        with_usage: bool = False,
         continuous_usage: bool = False,
+        reasoning: bool = False,
     ) -> None:
         self.id = request_id
         self.model = model
@@ -123,7 +132,9 @@ class ResponseFormatter:
         self.tools = tools if tools is not None and tools.active else None
         self.echo_logprobs = echo_logprobs
         self.prompt_logprobs = prompt_logprobs
+        self.with_usage = with_usage
         self.continuous_usage = continuous_usage
+        self.reasoning = reasoning
         self.created = int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
         self._echoed: set[int] = set()  # choices whose echo went out with their first chunk
@@ -139,6 +150,25 @@ class ResponseFormatter:
             "choices": choices,
         }
 
+    # ---- the serving path's calls ---------------------------------------------------------------
+
+    def opening(self, owner: RequestOwner) -> bytes:
+        return b"".join(self.first_chunks([c.index for c in owner.choices], self.with_usage))
+
+    def chunk(self, owner: RequestOwner, index: int, delta: Delta) -> bytes:
+        return self.delta_chunk(owner.choices[index], delta, self.with_usage, owner.outputs)
+
+    def closing(self, owner: RequestOwner) -> bytes:
+        return (self.usage_chunk(owner.outputs) if self.with_usage else b"") + SSE_DONE
+
+    def stream_error(self, error: APIError) -> bytes:
+        return sse_error(error.body()) + SSE_DONE
+
+    def body(self, owner: RequestOwner) -> dict[str, Any]:
+        return self.final_body(owner.choices)
+
+    # ---- shapes ----------------------------------------------------------------------------------
+
     def first_chunks(self, indices: list[int], with_usage: bool) -> list[bytes]:
         if not self.chat:
             return []
@@ -153,7 +183,7 @@ class ResponseFormatter:
         return out
 
     def delta_chunk(
-        self, choice: Choice, output: JobOutput, with_usage: bool, usage_now: list[ChoiceOutput] | None = None
+        self, choice: Choice, output: Delta, with_usage: bool, usage_now: list[ChoiceOutput] | None = None
     ) -> bytes:
         """The SSE chunk(s) for one output of one choice; empty when there is nothing to send.
         `usage_now` (every choice's output so far) is reported in each chunk with continuous usage."""
@@ -162,7 +192,7 @@ class ResponseFormatter:
             self._echoed.add(choice.index)
             echo = choice.input.echo
         prompt = output.prompt_logprobs if self.echo_logprobs else None
-        if not (output.text or output.finish_reason or output.logprobs or echo or prompt):
+        if not (output.text or output.reasoning or output.finish_reason or output.logprobs or echo or prompt):
             return b""
         state = choice.output
         logprobs = None
@@ -176,7 +206,9 @@ class ResponseFormatter:
         if self.chat and self.tools is not None:
             return self._tool_chunks(choice, output, logprobs, finish, with_usage, usage_now)
         if self.chat:
-            delta = {"content": output.text} if output.text else {}
+            delta = {"reasoning_content": output.reasoning} if output.reasoning else {}
+            if output.text:
+                delta["content"] = output.text
             body: dict[str, Any] = {"index": choice.index, "delta": delta}
         else:
             body = {"index": choice.index, "text": echo + output.text}
@@ -189,7 +221,7 @@ class ResponseFormatter:
     def _chunk(self, body: dict[str, Any], with_usage: bool, usage_now: list[ChoiceOutput] | None) -> bytes:
         envelope = self._envelope([body], chunk=True)
         if self.continuous_usage and usage_now is not None:
-            envelope["usage"] = usage_body(usage_now)
+            envelope["usage"] = usage_body(usage_now, self.reasoning)
         elif with_usage:
             envelope["usage"] = None
         return sse(envelope)
@@ -197,7 +229,7 @@ class ResponseFormatter:
     def _tool_chunks(
         self,
         choice: Choice,
-        output: JobOutput,
+        output: Delta,
         logprobs: dict[str, Any] | None,
         finish: str | None,
         with_usage: bool,
@@ -205,9 +237,12 @@ class ResponseFormatter:
     ) -> bytes:
         assert self.tools is not None
         stream = self._tool_streams.setdefault(choice.index, ToolCallStream(self.tools))
-        deltas = stream.feed(output.text)
+        # Only text opens a call: a named call's header must not come before the thinking is over.
+        deltas = stream.feed(output.text) if output.text else []
+        if output.reasoning:  # the thinking comes first; tool calls are read from the answer only
+            deltas.insert(0, {"reasoning_content": output.reasoning})
         if output.finish_reason is not None:
-            tail, called = stream.finish()
+            tail, called = stream.finish(cut=output.finish_reason is FinishReason.LENGTH)
             deltas += tail
             finish = self._finish_reason(output.finish_reason, called)
         if not deltas:
@@ -230,7 +265,7 @@ class ResponseFormatter:
 
     def usage_chunk(self, outputs: list[ChoiceOutput]) -> bytes:
         body = self._envelope([], chunk=True)
-        body["usage"] = usage_body(outputs)
+        body["usage"] = usage_body(outputs, self.reasoning)
         return sse(body)
 
     def final_body(self, choices: list[Choice]) -> dict[str, Any]:
@@ -240,8 +275,10 @@ class ResponseFormatter:
             finish = state.finish_reason.value if state.finish_reason else None
             if self.chat:
                 message: dict[str, Any] = {"role": "assistant", "content": state.text}
+                if self.reasoning:
+                    message["reasoning_content"] = state.reasoning or None
                 if self.tools is not None:
-                    parsed = self.tools.read(state.text)
+                    parsed = self.tools.read_final(state.text, cut=state.finish_reason is FinishReason.LENGTH)
                     message["content"] = parsed.content
                     if parsed.calls:
                         message["tool_calls"] = [
@@ -271,5 +308,5 @@ class ResponseFormatter:
             # vLLM puts a chat request's prompt logprobs beside the choices (they share the prompt).
             first = choices[0].output.prompt_logprobs if choices else None
             envelope["prompt_logprobs"] = prompt_logprobs_body(first or [])
-        envelope["usage"] = usage_body([c.output for c in choices])
+        envelope["usage"] = usage_body([c.output for c in choices], self.reasoning)
         return envelope

@@ -8,11 +8,12 @@ back on every response, errors and event streams included.
 The access line (logger `gateway.access`, INFO) tells what really happened: method, path, the
 final status, duration, request id, model, the worker that served it, the client's address, the
 API key's *name*, and for generations prompt and completion tokens, time to first token and
-finish reason. A stream's status is its real outcome, read from its RequestOwner's metrics
-recorder when the stream ends: a stream that failed midway is logged with the error's status
-(503, 408...), not the 200 its headers carried; one whose client left is 499. A non-streaming
-request whose client left never reaches `after_request`: the teardown hook logs it as 499. Never
-the key, a header, the body or a prompt. Polled endpoints (POLLED_PATHS) are logged at DEBUG.
+finish reason, and the model asked for when a fallback answered (`fallback_from`). A stream's
+status is its real outcome, read from its RequestOwner's metrics recorder when the stream ends: a
+stream that failed midway is logged with the error's status (503, 408...), not the 200 its headers
+carried; one whose client left is 499. A non-streaming request whose client left never reaches
+`after_request`: the teardown hook logs it as 499. Never the key, a header, the body or a prompt.
+Polled endpoints (POLLED_PATHS) are logged at DEBUG.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ POLLED_PATHS = frozenset({"/health/live", "/health/ready", "/metrics", "/admin/w
 class AccessLine:
     """What the access line says, taken while the request context exists; emitted once."""
 
-    __slots__ = ("fields", "started", "key_name", "level", "emitted", "recorder")
+    __slots__ = ("fields", "started", "key_name", "level", "emitted", "recorder", "fallback_from")
 
     def __init__(self, started: float) -> None:
         # repr escapes control characters: a path with %0A in it must not forge a second log line.
@@ -55,12 +56,14 @@ class AccessLine:
         )
         self.emitted = False
         self.recorder: RequestRecorder | None = None
+        self.fallback_from: tuple[str, str] | None = None  # (the model asked for, why it did not answer)
 
     def take_request_state(self) -> None:
         """What became known while the request ran: the key's name and the generation's recorder."""
         api_key = g.get("api_key")
         self.key_name = api_key.name if api_key is not None else None
         self.recorder = g.get("request_recorder")
+        self.fallback_from = g.get("fallback_from")
 
     def outcome(self, fallback: int) -> int:
         """The request's real final status: its recorder's, once the request has finished."""
@@ -88,6 +91,9 @@ class AccessLine:
             if recorder.finish_reasons:
                 extra["finish_reason"] = ",".join(sorted(set(recorder.finish_reasons)))
                 text.append(f"finish={extra['finish_reason']}")
+        if self.fallback_from is not None:
+            extra["fallback_from"], extra["fallback_reason"] = self.fallback_from
+            text.append(f"fallback_from={self.fallback_from[0]}({self.fallback_from[1]})")
         if self.key_name:
             text.append(f"key={self.key_name}")
         if self.fields["client"]:

@@ -1,195 +1,127 @@
-"""POST /v1/responses: OpenAI's Responses API, stateless (store: false), text in and text out.
+"""OpenAI's Responses API: POST /v1/responses, and GET / DELETE /v1/responses/{id} of stored ones.
 
-Runs in the gateway process. Owns the request schema and its translation into a chat request:
-`instructions` becomes a system message, `input` (a string, or message items with text parts)
-the conversation, `max_output_tokens` and `text.format` the chat's max_tokens and response_format.
-Generation then runs as any chat completion (one RequestOwner); gateway.http.responses_format
-writes the response object or its event stream. Nothing is stored: a request that needs stored
-state (`previous_response_id`, `conversation`, `store: true`, `background`) is a 400 saying so,
-and so is anything this text-only endpoint would otherwise drop (tools, reasoning, logprobs).
+Runs in the gateway process. Owns the routes: a request (gateway.http.responses_schema) continues
+the stored conversation its `previous_response_id` names, runs on the one serving path as a chat
+completion (gateway.http.serving_path), and gateway.http.responses_format writes the response
+object or its event stream. With `store: true` (or the server's default), the finished response
+and the conversation it ends are kept in the response store (gateway.state) before the client gets
+the last byte, so it can be fetched or continued at once. A stored response belongs to the API key
+that created it: for any other key it is a 404, as a missing one is.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import logging
+import sqlite3
+import time
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
-from quart import Blueprint, Response, jsonify
+from quart import Blueprint, current_app, g, jsonify
 from quart_schema import validate_request
 
-from gateway.errors import APIError, InvalidRequest
+from gateway.errors import InvalidRequest, NotFound, ServiceUnavailable
 from gateway.http.current import current_gateway
-from gateway.http.openai_format import SSE_KEEPALIVE
-from gateway.http.openai_routes import generation_route
 from gateway.http.responses_format import ResponseBuilder
-from gateway.http.schemas import ChatCompletionRequest, ChatMessage
-from gateway.observability.logging_setup import set_log_context
-from gateway.observability.metrics import start_request
-from gateway.serving.outputs import ChoiceInput
-from gateway.serving.request_owner import KEEPALIVE, RequestOwner
+from gateway.http.responses_schema import ResponsesRequest
+from gateway.http.schemas import ChatMessage
+from gateway.http.serving_path import Generation, serve_generation
+from gateway.reasoning.plan import plan_reasoning
+from gateway.serving.choice_text import TextPlan
+from gateway.serving.outputs import ChoiceInput, ChoiceOutput
+from gateway.serving.router import ModelRoute
+from gateway.state.response_store import ResponseStore, StoredResponse
 from wire.params import ChatOptions
 
+logger = logging.getLogger(__name__)
 blueprint = Blueprint("responses", __name__)
 
-# The chat request's fields, by the names this API gives them.
-_CHAT_TO_RESPONSES = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text"}
-_NEEDS_STATE = "this gateway does not store responses (store: false only), so {} cannot be used"
+
+def response_store() -> ResponseStore | None:
+    return current_app.extensions["response_store"]  # type: ignore[no-any-return]
 
 
-class ResponsesRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    model: str = Field(..., min_length=1)
-    input: str | list[dict[str, Any]]
-    instructions: str | None = None
-    max_output_tokens: int | None = Field(None, ge=1, lt=2**31)
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    stream: bool = False
-    store: bool | None = Field(None, description="Only false (or left out): nothing is stored.")
-    previous_response_id: str | None = None
-    conversation: Any = None
-    background: bool | None = None
-    text: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
-    reasoning: dict[str, Any] | None = None
-    include: list[str] | None = None
-    top_logprobs: int | None = Field(None, ge=0, le=20)
-    truncation: str | None = None
-    metadata: dict[str, str] | None = None
-    user: str | None = None
-    timeout: float | None = Field(None, gt=0, description="Per-request deadline in seconds (extension).")
+def key_owner() -> str:
+    """Who owns what this request stores: its API key (by digest; never the key itself)."""
+    key = g.get("api_key")
+    return key.digest.hex() if key is not None else ""
 
-    def refuse_what_is_not_honoured(self) -> None:
-        for field, value in (("previous_response_id", self.previous_response_id),
-                             ("conversation", self.conversation)):  # fmt: skip
-            if value is not None:
-                raise InvalidRequest(_NEEDS_STATE.format(field), param=field)
-        if self.store:
-            raise InvalidRequest(_NEEDS_STATE.format("store: true"), param="store")
-        if self.background:
-            raise InvalidRequest(_NEEDS_STATE.format("background: true"), param="background")
-        if self.tools:
-            raise InvalidRequest("tools are not supported on /v1/responses; use /v1/chat/completions",
-                                 param="tools")  # fmt: skip
-        if self.tool_choice not in (None, "none", "auto"):
-            raise InvalidRequest(
-                "tool_choice needs tools, which /v1/responses does not support", param="tool_choice"
-            )
-        if self.reasoning and any(v is not None for v in self.reasoning.values()):
-            raise InvalidRequest("reasoning settings are not supported", param="reasoning")
-        if self.include:
-            raise InvalidRequest(f"include {self.include} is not supported", param="include")
-        if self.top_logprobs:
-            raise InvalidRequest("top_logprobs is not supported on /v1/responses", param="top_logprobs")
-        if self.truncation not in (None, "disabled"):
-            raise InvalidRequest("truncation must be disabled: prompts are never cut", param="truncation")
 
-    def messages(self) -> list[ChatMessage]:
-        messages = [ChatMessage(role="system", content=self.instructions)] if self.instructions else []
-        if isinstance(self.input, str):
-            return [*messages, ChatMessage(role="user", content=self.input)]
-        for index, item in enumerate(self.input):
-            if item.get("type", "message") != "message" or "role" not in item:
-                kind = item.get("type", "unknown")
-                message = f"input[{index}]: item type {kind!r} is not supported (text messages only)"
-                raise InvalidRequest(message, param="input")
-            try:
-                messages.append(ChatMessage(role=item["role"], content=item.get("content")))
-            except ValidationError as exc:
-                first = exc.errors()[0]
-                where = ".".join(str(p) for p in first["loc"][:1])
-                raise InvalidRequest(f"input[{index}].{where}: {first['msg']}", param="input") from None
-        return messages
-
-    def response_format(self) -> dict[str, Any] | None:
-        """text.format in the chat API's response_format shape (json_schema fields sit one level up)."""
-        fmt = (self.text or {}).get("format")
-        if not isinstance(fmt, dict) or fmt.get("type") in (None, "text"):
-            return None
-        if fmt.get("type") == "json_schema":
-            schema = {k: fmt.get(k) for k in ("name", "schema", "strict") if fmt.get(k) is not None}
-            return {"type": "json_schema", "json_schema": schema}
-        return {"type": fmt.get("type")}
-
-    def as_chat(self) -> ChatCompletionRequest:
-        """The chat request this one is; its validation errors name this request's fields."""
-        try:
-            return ChatCompletionRequest(
-                model=self.model,
-                messages=self.messages(),
-                max_tokens=self.max_output_tokens,
-                temperature=self.temperature,
-                top_p=self.top_p,
-                response_format=self.response_format(),
-                stream=self.stream,
-                timeout=self.timeout,
-            )
-        except ValidationError as exc:
-            first = exc.errors()[0]
-            field = _CHAT_TO_RESPONSES.get(str(first["loc"][0]) if first["loc"] else "", "input")
-            raise InvalidRequest(
-                f"{field}: {first['msg'].removeprefix('Value error, ')}", param=field
-            ) from None
-
-    def echoed_settings(self) -> dict[str, Any]:
-        return {
-            "instructions": self.instructions,
-            "max_output_tokens": self.max_output_tokens,
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "text": self.text or {"format": {"type": "text"}},
-            "metadata": self.metadata or {},
-            "truncation": "disabled",
-        }
+def _turns(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Chat messages as a stored conversation keeps them: role and one string of content."""
+    return [{"role": wire.role, "content": wire.content} for wire in (m.to_wire() for m in messages)]
 
 
 @blueprint.post("/v1/responses")
 @validate_request(ResponsesRequest)
 async def responses(data: ResponsesRequest) -> Any:
     data.refuse_what_is_not_honoured()
-    route = generation_route(data.model)
-    set_log_context(model=route.config.name)
-    chat = data.as_chat()
-    gateway = current_gateway()
-    params = chat.sampling_params(route.config, None)
-    deadline = gateway.router.deadline_for(route, data.timeout)
-    inputs = [ChoiceInput(messages=[m.to_wire() for m in chat.messages], chat=ChatOptions())]
-    owner = gateway.service.open(
-        route, inputs, params, deadline, start_request(route.config.name), data.stream
+    store = response_store()
+    keep = (
+        data.store if data.store is not None else current_gateway().registry.server.responses.store_by_default
     )
-    await owner.admit()
-    builder = ResponseBuilder(data.model, data.echoed_settings())
-    if data.stream:
-        response = Response(_stream(owner, builder), content_type="text/event-stream; charset=utf-8")
-        response.headers["Cache-Control"] = "no-cache"
-        response.headers["X-Accel-Buffering"] = "no"
-        response.timeout = None
-        return response
-    try:
-        async for _ in owner.events():
-            pass
-        output = owner.choices[0].output
-        return jsonify(builder.response(builder.final_status(output), output))
-    finally:
-        owner.close()
+    if keep and store is None:
+        if data.store:
+            raise InvalidRequest(
+                "this gateway stores no responses (server.responses.backend: none)", param="store"
+            )
+        keep = False
+    earlier: list[ChatMessage] = []
+    if data.previous_response_id is not None:
+        previous = await store.get(data.previous_response_id, key_owner()) if store is not None else None
+        if previous is None:
+            message = f"Previous response with id '{data.previous_response_id}' not found."
+            raise InvalidRequest(message, param="previous_response_id", code="previous_response_not_found")
+        earlier = [ChatMessage(role=m["role"], content=m["content"]) for m in previous.conversation]
+    chat = data.as_chat(earlier)
+    conversation = _turns([*earlier, *data.input_messages()])
+    owner = key_owner()
+
+    async def plan_for(route: ModelRoute, model: str) -> Generation:
+        params = chat.sampling_params(route.config, None)
+        params, reasoning = plan_reasoning(
+            route.config, {}, data.thinking_token_budget, "thinking_token_budget", params
+        )
+        inputs = [ChoiceInput(messages=[m.to_wire() for m in chat.messages], chat=ChatOptions())]
+        builder = ResponseBuilder(model, data.echoed_settings(keep), reasoning=reasoning is not None)
+        if keep:
+            assert store is not None
+
+            async def keep_response(response: dict[str, Any], output: ChoiceOutput) -> None:
+                turns = [*conversation, {"role": "assistant", "content": output.text}]
+                await _put(store, StoredResponse(response["id"], owner, time.time(), response, turns))
+
+            builder.keep = keep_response
+        return Generation(inputs, params, builder, TextPlan(reasoning=reasoning))
+
+    return await serve_generation(data.model, plan_for, data.stream, data.timeout)
 
 
-async def _stream(owner: RequestOwner, builder: ResponseBuilder) -> AsyncIterator[bytes]:
+async def _put(store: ResponseStore, record: StoredResponse) -> None:
     try:
-        for event in builder.opening_events():
-            yield event
-        async for item in owner.events():
-            if item is KEEPALIVE:
-                yield SSE_KEEPALIVE
-                continue
-            _, output = item  # type: ignore[misc]
-            if output.text:
-                yield builder.delta_event(output.text)
-        for event in builder.closing_events(owner.choices[0].output):
-            yield event
-    except APIError as exc:
-        yield builder.error_event(exc.body())
-    finally:
-        owner.close()
+        await store.put(record)
+    except (sqlite3.Error, OSError) as exc:
+        logger.error("a response could not be stored: %s", exc)
+        raise ServiceUnavailable("the response could not be stored", code="store_failed") from None
+
+
+async def _stored(response_id: str) -> StoredResponse:
+    store = response_store()
+    record = await store.get(response_id, key_owner()) if store is not None else None
+    if record is None:
+        raise NotFound(f"Response with id '{response_id}' not found.")
+    return record
+
+
+@blueprint.get("/v1/responses/<response_id>")
+async def get_response(response_id: str) -> Any:
+    """A stored response, as it was returned (only to the API key that created it)."""
+    return jsonify((await _stored(response_id)).response)
+
+
+@blueprint.delete("/v1/responses/<response_id>")
+async def delete_response(response_id: str) -> Any:
+    """Forget a stored response; later requests cannot continue it."""
+    store = response_store()
+    if store is None or not await store.delete(response_id, key_owner()):
+        raise NotFound(f"Response with id '{response_id}' not found.")
+    return jsonify({"id": response_id, "object": "response", "deleted": True})

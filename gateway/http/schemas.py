@@ -83,6 +83,9 @@ class _Request(BaseModel):
     bad_words: list[str] | None = Field(None, max_length=MAX_WORD_LISTS)
     allowed_token_ids: list[TokenId] | None = Field(None, min_length=1)
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    thinking_token_budget: int | None = Field(
+        None, ge=1, lt=2**31, description="vLLM: thinking tokens at most (a model with a reasoning_parser)."
+    )
 
     @field_validator("stop")
     @classmethod
@@ -337,6 +340,12 @@ class CompletionRequest(_Request):
     def _zero_tokens_echo(self) -> CompletionRequest:
         if self.max_tokens == 0 and not self.echo:
             raise InvalidRequest("max_tokens 0 needs echo (the prompt is all there is)", param="max_tokens")
+        if self.thinking_token_budget is not None:
+            raise InvalidRequest(
+                "thinking_token_budget needs /v1/chat/completions (a completion is not split into thinking "
+                "and answer)",
+                param="thinking_token_budget",
+            )
         return self
 
     def prompts(self) -> list[str | list[int]]:

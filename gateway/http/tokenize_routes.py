@@ -3,7 +3,8 @@ model's own worker.
 
 Runs in the gateway process. Owns the request/response schemas of these routes; the tokenizer and
 the chat template live in the worker, which answers with a Tokens frame (tokenizer_info comes from
-its Ready message). These take no generation slot, so they work while a model is saturated.
+its Ready message). These take no generation slot, so they work while a model is saturated; they
+go through the one serving path's exchange owner, so a drain or a reload sees them.
 `model` may be left out when the gateway serves one model, as lm-eval's remote tokenizer does
 (it speaks to one vLLM server, which serves one model).
 """
@@ -21,6 +22,7 @@ from gateway.errors import InvalidRequest, ModelNotFound, ServiceUnavailable
 from gateway.http.auth import may_use
 from gateway.http.current import current_gateway
 from gateway.http.schemas import ChatMessage, TokenId, ToolDefinition
+from gateway.http.serving_path import serve_exchange
 from gateway.serving.router import ModelRoute
 from gateway.tools.plan import tool_specs
 from wire import messages as wire
@@ -85,11 +87,11 @@ async def tokenize(data: TokenizeRequest) -> Any:
     route = model_route(req.model)
     messages = [m.to_wire() for m in req.messages] if req.messages else None
     chat = req.chat_options() if messages is not None else None
-    reply = await current_gateway().service.exchange(
-        route,
-        lambda rid: wire.Tokenize(rid, req.prompt, messages, req.add_special_tokens, chat),
-        ANSWER_TIMEOUT_S,
-    )
+
+    def tokenize_message(rid: str) -> wire.Tokenize:
+        return wire.Tokenize(rid, req.prompt, messages, req.add_special_tokens, chat)
+
+    reply = await serve_exchange(route, tokenize_message, ANSWER_TIMEOUT_S)
     return jsonify(
         {"tokens": reply.token_ids, "count": len(reply.token_ids), "max_model_len": route.config.max_seq_len}
     )
@@ -101,9 +103,7 @@ async def tokenize(data: TokenizeRequest) -> Any:
 async def detokenize(data: DetokenizeRequest) -> Any:
     req = data
     route = model_route(req.model)
-    reply = await current_gateway().service.exchange(
-        route, lambda rid: wire.Detokenize(rid, list(req.tokens)), ANSWER_TIMEOUT_S
-    )
+    reply = await serve_exchange(route, lambda rid: wire.Detokenize(rid, list(req.tokens)), ANSWER_TIMEOUT_S)
     return jsonify({"prompt": reply.text})
 
 

@@ -28,11 +28,11 @@ from quart import Response, current_app, g, request
 from werkzeug.exceptions import HTTPException
 
 from gateway.errors import ClientClosed
-from wire.results import JobOutput
 from wire.states import WorkerState
 
 if TYPE_CHECKING:
     from gateway.core import Gateway
+    from gateway.serving.outputs import Delta
     from gateway.workers.handle import WorkerHandle
 
 CLIENT_CLOSED = ClientClosed.status  # nginx's 499: the client went away before the response was complete
@@ -129,6 +129,13 @@ class GatewayMetrics:
             ["key", "model", "kind"],
             registry=r,
         )
+        self.fallbacks = Counter(
+            "gateway_fallbacks",
+            "Requests a fallback model answered, by the model asked for, the one that answered and why "
+            "(queue_full, no_ready_worker).",
+            ["model", "fallback", "reason"],
+            registry=r,
+        )
         self.recent = RecentRequests()
         r.register(WorkerCollector(gateway))
         # process_cpu_seconds_total, process_resident_memory_bytes, open fds...: the gateway process.
@@ -168,15 +175,15 @@ class RequestRecorder:
         """Every choice was accepted by a worker: the request's queue time ends here."""
         self.metrics.queue_time.labels(self.model).observe(time.perf_counter() - self.started)
 
-    def output(self, item: JobOutput) -> None:
+    def output(self, item: Delta) -> None:
         if item.finish_reason is not None:
             self.finish_reasons.append(item.finish_reason.value)
-            if item.usage is not None:  # a job's last output: its engine-side phases
+            if item.usage is not None:  # a choice's last output: its (last job's) engine-side phases
                 metrics, usage = self.metrics, item.usage
                 metrics.engine_queue_time.labels(self.model).observe(usage.queue_s)
                 metrics.prefill_time.labels(self.model).observe(usage.prefill_s)
                 metrics.decode_time.labels(self.model).observe(usage.decode_s)
-        if not (item.token_ids or item.text):
+        if not (item.token_count or item.text or item.reasoning):
             return
         now = time.perf_counter()
         if self.last_output is None:
@@ -252,6 +259,12 @@ def _key_name() -> str:
 def _endpoint() -> str:
     # The matched rule, not the raw path: label values must stay few whatever clients send.
     return request.url_rule.rule if request.url_rule is not None else "unmatched"
+
+
+def count_fallback(model: str, fallback: str, reason: str) -> None:
+    """The current request goes to `fallback` instead of `model` (both canonical names)."""
+    current_app.extensions["metrics"].fallbacks.labels(model, fallback, reason).inc()
+    g.fallback_from = (model, reason)
 
 
 def start_request(model: str) -> RequestRecorder:

@@ -16,8 +16,15 @@ stream early (vLLM's AsyncLLM keeps one per-request queue and one abort path the
 | gateway shutdown            | the service (abort_all)        | ServiceUnavailable (503)      |
 | reload or unload of a model | the service (queued, or after  | ServiceUnavailable (503)      |
 |                             | the drain grace)               |                               |
+| a continuation fails        | its task (gateway.serving.     | the failure's error           |
+|                             | continuation)                  |                               |
 
-An abort also ends an admission still waiting (for a slot, or for the worker's answer).
+An abort also ends an admission still waiting (for a slot, or for the worker's answer), and every
+continuation task the request has.
+
+A choice's job can also give way to a continuation job mid-request (a thinking budget spent, or an
+output constraint that waits for the end of the thinking): `suspend` cancels the job but keeps the
+slot, and `restart_job` starts the next one on the same worker (gateway.serving.continuation).
 """
 
 from __future__ import annotations
@@ -40,11 +47,13 @@ from gateway.errors import (
     as_api_error,
 )
 from gateway.observability.logging_setup import set_log_context
-from gateway.serving.outputs import ChoiceInput, ChoiceOutput, usage_totals
+from gateway.serving.choice_text import ChoiceText, Cut, TextPlan
+from gateway.serving.continuation import continue_choice
+from gateway.serving.outputs import ChoiceInput, ChoiceOutput, Delta, usage_totals
 from gateway.serving.router import AdmissionStopped
 from wire import messages as wire
 from wire.params import SamplingParams
-from wire.results import AbortReason, JobOutput, RejectCode
+from wire.results import AbortReason, FinishReason, JobOutput, RejectCode
 
 if TYPE_CHECKING:
     from gateway.observability.metrics import RequestRecorder
@@ -89,10 +98,13 @@ class Choice:
     accepted: asyncio.Future[Any] | None = None
     sent: bool = False  # a Generate went out: a Cancel must follow unless the job finishes
     finished: bool = False  # the engine job is over (finished, refused, cancelled or gone)
+    text_plan: TextPlan | None = None
     output: ChoiceOutput = field(init=False)
+    text: ChoiceText = field(init=False)  # the producer's side: worker outputs become Deltas
 
     def __post_init__(self) -> None:
         self.output = ChoiceOutput(self.index, self.input.prompt_index)
+        self.text = ChoiceText(self.text_plan)
 
     # ---- the link's calls ------------------------------------------------------------------
 
@@ -138,6 +150,7 @@ class RequestOwner:
         deadline: float,
         recorder: RequestRecorder,
         streaming: bool,
+        text_plan: TextPlan | None = None,
     ) -> None:
         self.service = service
         self.route = route
@@ -147,9 +160,10 @@ class RequestOwner:
         seed = params.seed
         # Distinct choices of one request must not be identical copies: choice i uses seed + i.
         self.choices = [
-            Choice(self, i, choice_input, params if seed is None or i == 0 else params.with_seed(seed + i))
+            Choice(self, i, choice_input, params if seed is None or i == 0 else params.with_seed(seed + i),
+                   text_plan=text_plan)
             for i, choice_input in enumerate(inputs)
-        ]
+        ]  # fmt: skip
         self.queue: asyncio.Queue[Any] = asyncio.Queue()
         self.outcome: int | None = None  # the request's final status, for metrics and logs
         self.error: APIError | None = None  # what it was aborted with
@@ -160,6 +174,8 @@ class RequestOwner:
         self.last_activity = self.last_consumed = time.monotonic()
         self._unfinished = len(self.choices)
         self._deadline_timer: asyncio.TimerHandle | None = None
+        self._continuations: set[asyncio.Task[None]] = set()
+        self.token_cache: dict[tuple[str, Any], asyncio.Future[list[int]]] = {}  # continuations' prompts
         self._task = asyncio.current_task()
         service.requests.add(self)
         if self._task is not None:
@@ -211,7 +227,7 @@ class RequestOwner:
             for choice, reply in zip(self.choices, replies, strict=True):
                 answer = await self._wait_accepted(choice) if reply is None else reply
                 if isinstance(answer, wire.Accepted):
-                    choice.output.prompt_tokens = answer.prompt_tokens
+                    choice.output.prompt_tokens = choice.text.prompt_tokens = answer.prompt_tokens
                 elif isinstance(answer, wire.Rejected):
                     choice.end_job(cancel=False)  # the worker holds nothing for it; the others are cancelled
                     code = answer.code
@@ -269,20 +285,67 @@ class RequestOwner:
     def on_output(self, choice: Choice, output: JobOutput) -> None:
         if self.ended or choice.finished:
             return  # the request already ended; its jobs were cancelled
-        if output.finish_reason is not None:
-            choice.end_job(cancel=False)
+        delta, cut = choice.text.take(output)
+        # A finish the gateway decided (a stop sequence it matched) leaves a job to cancel.
+        self._deliver(choice, delta, cancel=output.finish_reason is None)
+        if cut is not None and not self.ended:
+            self.suspend(choice, cut)
+
+    def _deliver(self, choice: Choice, delta: Delta, cancel: bool) -> None:
+        if delta.finish_reason is not None:
+            choice.end_job(cancel=cancel)
             self._unfinished -= 1
         if self.queue.qsize() >= MAX_PENDING_OUTPUTS:
             logger.warning("client is not reading; dropping its stream")
             self.abort(ServiceUnavailable("the client did not read the stream in time", code="slow_reader"))
             return
-        self.queue.put_nowait((choice.index, output))
+        self.queue.put_nowait((choice.index, delta))
         self.last_activity = time.monotonic()
         if self._unfinished == 0:
             self.ended = True
             self.queue.put_nowait(_End())
 
-    async def events(self) -> AsyncIterator[tuple[int, JobOutput] | object]:
+    # ---- continuations -----------------------------------------------------------------------
+
+    def suspend(self, choice: Choice, cut: Cut) -> None:
+        """Cancel the choice's job (its slot stays taken) and start the continuation that follows."""
+        link = self.service.link
+        if choice.sent and choice.worker_id is not None:
+            link.send(choice.worker_id, wire.Cancel(choice.rid))
+        link.remove_job(choice.rid)
+        choice.sent = False  # the link no longer knows the job: nothing more of it arrives
+        task = asyncio.get_running_loop().create_task(continue_choice(self, choice, cut), name="continuation")
+        self._continuations.add(task)
+        task.add_done_callback(self._continuations.discard)
+
+    async def restart_job(
+        self, choice: Choice, prompt_token_ids: list[int], params: SamplingParams
+    ) -> wire.Accepted | wire.Rejected:
+        """A suspended choice's next job, on the same worker and slot; the worker's answer to it."""
+        link = self.service.link
+        assert choice.worker_id is not None
+        # Its outputs may arrive right behind its Accepted, before this task runs again.
+        choice.text.continued_job()
+        choice.rid = uuid.uuid4().hex
+        choice.accepted = asyncio.get_running_loop().create_future()
+        link.add_job(choice)
+        frame = wire.encode(wire.Generate(choice.rid, None, prompt_token_ids, None, params, None))
+        choice.sent = link.send_frame(choice.worker_id, frame, is_generate=True)
+        if not choice.sent:
+            raise WorkerFailed(f"the worker for model '{self.route.config.name}' is unreachable")
+        answer = await self._wait_accepted(choice)
+        if isinstance(answer, _NotStarted):
+            raise answer.error
+        if isinstance(answer, wire.Rejected):
+            link.remove_job(choice.rid)
+            choice.sent = False  # the worker holds nothing for it
+        return answer  # type: ignore[no-any-return]
+
+    def finish_suspended(self, choice: Choice, reason: FinishReason) -> None:
+        """End a choice for which no job runs (its continuation had no room left)."""
+        self._deliver(choice, Delta(finish_reason=reason, usage=choice.text.usage_now()), cancel=False)
+
+    async def events(self) -> AsyncIterator[tuple[int, Delta] | object]:
         """(choice index, output) in arrival order, and KEEPALIVE on a quiet stream; ends when every
         choice finished, or raises the APIError the request was aborted with."""
         while True:
@@ -291,12 +354,12 @@ class RequestOwner:
                 return
             yield event
 
-    async def event_batches(self) -> AsyncIterator[list[tuple[int, JobOutput] | object]]:
+    async def event_batches(self) -> AsyncIterator[list[tuple[int, Delta] | object]]:
         """The same events, each batch being everything already queued when the consumer got to it
         (at least one event): a streaming response writes a batch as one chunk, so a stream that
         fell behind catches up in one socket write instead of one per token. Never waits for more."""
         while True:
-            batch: list[tuple[int, JobOutput] | object] = []
+            batch: list[tuple[int, Delta] | object] = []
             item = await self.queue.get()
             try:
                 while True:
@@ -315,7 +378,7 @@ class RequestOwner:
                 raise
             yield batch
 
-    def _consume(self, item: Any) -> tuple[int, JobOutput] | object:
+    def _consume(self, item: Any) -> tuple[int, Delta] | object:
         """One queue item taken by the consumer: the event to hand out, or _ENDED; raises the abort."""
         self.last_consumed = time.monotonic()
         if item is KEEPALIVE:
@@ -326,15 +389,31 @@ class RequestOwner:
             if self.outcome is None:
                 self.outcome = 200
             return _ENDED
-        index, output = item
-        self.choices[index].output.add(output)
-        self.recorder.output(output)
-        return index, output
+        index, delta = item
+        self.choices[index].output.add(delta)
+        self.recorder.output(delta)
+        return index, delta
 
     def keep_alive(self) -> None:
         if self.streaming and not self.ended:
             self.queue.put_nowait(KEEPALIVE)
             self.last_activity = time.monotonic()
+
+    # ---- the service's view ----------------------------------------------------------------------
+
+    def holds_job_on(self, worker_id: str) -> bool:
+        return any(c.worker_id == worker_id and not c.finished for c in self.choices)
+
+    def tick(self, now: float, keepalive_s: float, stall_s: float) -> None:
+        """The service's ticker: drop a client that stopped reading, or ping a quiet stream."""
+        # Finished requests count too: their last outputs may be stuck behind a client that
+        # stopped reading, holding a connection.
+        if self.queue.qsize() and now - self.last_consumed >= stall_s:
+            logger.warning("client stopped reading; dropping it")
+            self.abort(ServiceUnavailable("the client stopped reading", code="slow_reader"))
+            self.drop_connection()
+        elif not self.ended and now - self.last_activity >= keepalive_s:
+            self.keep_alive()
 
     # ---- ending --------------------------------------------------------------------------------
 
@@ -345,6 +424,10 @@ class RequestOwner:
             return
         for choice in self.choices:
             choice.end_job(cancel=True)
+        for task in self._continuations:
+            task.cancel()
+        for pending in self.token_cache.values():
+            pending.cancel()
         self._unfinished = 0
         if self.ended:
             return  # every job had finished; only the client's reading was left

@@ -93,6 +93,25 @@ class ModelRoute:
             placed.append(replica)
         return placed
 
+    def fallback_reason(self, choices: int, prompt_size: int) -> str | None:
+        """Why a request of `choices` jobs should go to a fallback model now, without waiting here:
+        "no_ready_worker" (none is ready: starting, loading, restarting, failed, draining, or no
+        remote worker; an unloaded on-demand model loads for its request instead), or "queue_full"
+        (it would be refused at once); None if it would be admitted or wait its turn."""
+        if not any(r.ready for r in self.replicas):
+            if self.replicas and all(r.state is WorkerState.UNLOADED for r in self.replicas):
+                return None if self.config.load == "on_demand" else "no_ready_worker"
+            return "no_ready_worker"
+        if not self._waiters and self._place_slots([0] * choices, frozenset()) is not None:
+            return None
+        limits = self.config.limits
+        if (
+            self.waiting >= limits.max_queued_requests
+            or self.waiting_prompt_tokens + prompt_size > limits.max_queued_prompt_tokens
+        ):
+            return "queue_full"
+        return None
+
     def any_ready(self) -> WorkerHandle:
         """A ready replica for a quick side request (tokenize) that takes no generation slot."""
         ready = [r for r in self.replicas if r.ready]
@@ -164,6 +183,7 @@ class ModelRoute:
                 error_class = QueueFull if limits.full_queue_status == 429 else ServiceUnavailable
                 raise error_class(
                     f"model '{self.config.name}' is at capacity ({self.waiting} queued); retry later",
+                    code="queue_full",
                     headers={"Retry-After": "1"},
                 )
             chosen = priority if priority is not None else request_priority()

@@ -1,10 +1,11 @@
-"""The set of live requests, the one ticker that watches them, and one-shot worker exchanges
-(tokenize, detokenize, and embeddings, which take a slot).
+"""The set of live requests, and the one ticker that watches them.
 
-Runs in the gateway process, on its asyncio loop. Owns the registry of live `RequestOwner`s (the
-gateway's in-flight count is its size, never a counter kept by hand), the draining flag, and one
-ticker task for every stream: SSE keep-alives on quiet streams, and dropping clients that stopped
-reading. Requests are ended only through their owner's `abort`.
+Runs in the gateway process, on its asyncio loop. Owns the registry of live requests, generations
+(`RequestOwner`) and one-shot exchanges (`ExchangeOwner`: tokenize, detokenize, embeddings) alike:
+the gateway's in-flight count is its size, never a counter kept by hand, and a drain, a shutdown or
+a reload sees every request. Also the draining flag, and one ticker task for every stream: SSE
+keep-alives on quiet streams, and dropping clients that stopped reading. Requests are ended only
+through their owner's `abort`.
 """
 
 from __future__ import annotations
@@ -12,11 +13,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import uuid
-from collections.abc import Callable
+from typing import Protocol
 
-from gateway.errors import APIError, InvalidRequest, RequestTimeout, ServiceUnavailable, WorkerFailed
+from gateway.errors import APIError, ServiceUnavailable
 from gateway.observability.metrics import RequestRecorder
+from gateway.serving.choice_text import TextPlan
+from gateway.serving.exchange_owner import ExchangeOwner
 from gateway.serving.outputs import ChoiceInput
 from gateway.serving.request_owner import RequestOwner
 from gateway.serving.router import ModelRoute
@@ -26,13 +28,26 @@ from wire import messages as wire
 logger = logging.getLogger(__name__)
 
 
+class LiveRequest(Protocol):
+    """What the service needs of a live request, generation or exchange."""
+
+    route: ModelRoute
+    admitted: bool  # sent to a worker (else still waiting in the gateway)
+
+    def holds_job_on(self, worker_id: str) -> bool: ...
+
+    def abort(self, error: APIError) -> None: ...
+
+    def tick(self, now: float, keepalive_s: float, stall_s: float) -> None: ...
+
+
 class GenerationService:
     def __init__(self, link: WorkerLink, keepalive_s: float, write_stall_timeout_s: float) -> None:
         self.link = link
         self.keepalive_s = keepalive_s
         self.write_stall_timeout_s = write_stall_timeout_s
         self.draining = False
-        self.requests: set[RequestOwner] = set()
+        self.requests: set[LiveRequest] = set()
         self._ticker: asyncio.Task[None] | None = None
 
     @property
@@ -55,11 +70,20 @@ class GenerationService:
         deadline: float,
         recorder: RequestRecorder,
         streaming: bool,
+        text_plan: TextPlan | None = None,
     ) -> RequestOwner:
         """A new request's owner; call `admit()` on it next."""
+        self._refuse_if_draining()
+        return RequestOwner(self, route, inputs, params, deadline, recorder, streaming, text_plan)
+
+    def open_exchange(self, route: ModelRoute, deadline: float) -> ExchangeOwner:
+        """A new one-shot exchange's owner (tokenize, detokenize, embed); call `run()` on it next."""
+        self._refuse_if_draining()
+        return ExchangeOwner(self, route, deadline)
+
+    def _refuse_if_draining(self) -> None:
         if self.draining:
             raise ServiceUnavailable("the server is shutting down", code="shutting_down")
-        return RequestOwner(self, route, inputs, params, deadline, recorder, streaming)
 
     def abort_all(self, error: APIError) -> None:
         for owner in list(self.requests):
@@ -74,50 +98,10 @@ class GenerationService:
 
     def abort_on_worker(self, worker_id: str, error: APIError) -> int:
         """Abort the requests with an unfinished job on this worker; returns how many."""
-        owners = [
-            o for o in self.requests if any(c.worker_id == worker_id and not c.finished for c in o.choices)
-        ]
+        owners = [o for o in self.requests if o.holds_job_on(worker_id)]
         for owner in owners:
             owner.abort(error)
         return len(owners)
-
-    async def exchange(
-        self, route: ModelRoute, build: Callable[[str], wire.Tokenize | wire.Detokenize], timeout_s: float
-    ) -> wire.Tokens:
-        """One request/reply with a ready worker (tokenize, detokenize); takes no generation slot."""
-        if self.draining:
-            raise ServiceUnavailable("the server is shutting down", code="shutting_down")
-        replica = route.any_ready()
-        try:
-            reply = await self.link.exchange(replica.id, build(uuid.uuid4().hex), timeout_s)
-        except asyncio.TimeoutError:
-            raise RequestTimeout("the worker did not answer in time") from None
-        if reply is False:
-            raise WorkerFailed(f"the worker for model '{route.config.name}' is unreachable")
-        if isinstance(reply, wire.Rejected):
-            raise InvalidRequest(reply.message, code=reply.code.value, param=reply.param)
-        return reply  # type: ignore[no-any-return]
-
-    async def embed(
-        self, route: ModelRoute, message: wire.Embed, size: int, deadline: float
-    ) -> wire.Embeddings:
-        """Embeddings from a replica, taking one of its slots (so the model's queue bounds and 429
-        apply as for generation); the worker batches what it holds at once."""
-        if self.draining:
-            raise ServiceUnavailable("the server is shutting down", code="shutting_down")
-        replica = await route.acquire(deadline, size, size)
-        try:
-            timeout = max(deadline - time.monotonic(), 0.001)
-            reply = await self.link.exchange(replica.id, message, timeout)
-        except asyncio.TimeoutError:
-            raise RequestTimeout("the request timed out") from None
-        finally:
-            route.release(replica, size)
-        if reply is False:
-            raise WorkerFailed(f"the worker for model '{route.config.name}' is unreachable")
-        if isinstance(reply, wire.Rejected):
-            raise InvalidRequest(reply.message, code=reply.code.value, param=reply.param)
-        return reply  # type: ignore[no-any-return]
 
     async def _tick_forever(self) -> None:
         """Keep-alive pings, and dropping clients that stopped reading; one task for all requests."""
@@ -125,11 +109,4 @@ class GenerationService:
             await asyncio.sleep(min(self.keepalive_s / 2, self.write_stall_timeout_s / 4, 1.0))
             now = time.monotonic()
             for owner in list(self.requests):
-                # Finished requests count too: their last outputs may be stuck behind a client that
-                # stopped reading, holding a connection.
-                if owner.queue.qsize() and now - owner.last_consumed >= self.write_stall_timeout_s:
-                    logger.warning("client stopped reading; dropping it")
-                    owner.abort(ServiceUnavailable("the client stopped reading", code="slow_reader"))
-                    owner.drop_connection()
-                elif not owner.ended and now - owner.last_activity >= self.keepalive_s:
-                    owner.keep_alive()
+                owner.tick(now, self.keepalive_s, self.write_stall_timeout_s)

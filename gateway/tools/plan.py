@@ -11,7 +11,9 @@ Runs in the gateway process. Owns `ToolPlan`, built at the API edge from `tools`
 | {"function": {"name"}} | yes                 | constrained to that tool's parameters schema             |
 
 The constraint is a JSON schema handed to the worker's constrained decoding, so even a model that
-has never seen tools produces a valid call. `read` turns the final text into content and calls.
+has never seen tools produces a valid call. `read` turns the final text into content and calls;
+`read_cut` does it for a required or named call that max_tokens ended early (the calls, with the
+arguments generated so far).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from gateway.errors import InvalidRequest
+from gateway.tools.cut_calls import cut_required_calls
 from gateway.tools.parsers import ParsedCall, ParsedOutput, ToolParser, parser_named
 from wire.params import ToolSpec
 
@@ -93,6 +96,21 @@ class ToolPlan:
                 return ParsedOutput(parsed.content, parsed.calls[:1])
             return parsed
         return ParsedOutput(text, [])
+
+    def read_cut(self, text: str) -> ParsedOutput:
+        """The output of a required or named call that max_tokens cut short: the calls with the
+        arguments generated so far (OpenAI answers a cut call so, with finish_reason length)."""
+        if self.mode == "named":
+            assert self.named is not None
+            return ParsedOutput(None, [ParsedCall(self.named, text)])
+        if self.mode == "required":
+            calls = cut_required_calls(text, [t.name for t in self.tools])
+            return ParsedOutput(None, calls) if calls else ParsedOutput(text or None, [])
+        return self.read(text)
+
+    def read_final(self, text: str, cut: bool) -> ParsedOutput:
+        """`read`, or `read_cut` when max_tokens ended a required or named call."""
+        return self.read_cut(text) if cut and self.constrained else self.read(text)
 
     def call_id(self) -> str:
         return self.parser.new_call_id() if self.parser is not None else "call_" + secrets.token_hex(12)

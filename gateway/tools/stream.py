@@ -47,11 +47,15 @@ class ToolCallStream:
             self.text[self.sent : len(self.text) - self._held()], len(self.text) - self._held()
         )
 
-    def finish(self) -> tuple[list[dict[str, Any]], bool]:
-        """The deltas still due when the choice ends, and whether it ended in tool calls."""
+    def finish(self, cut: bool = False) -> tuple[list[dict[str, Any]], bool]:
+        """The deltas still due when the choice ends, and whether it ended in tool calls; `cut`:
+        max_tokens ended it (a required call then goes out with the arguments it has so far)."""
         if self.plan.mode == "named":
-            return [], self.calls_sent > 0
-        parsed = self.plan.read(self.text)
+            if self.calls_sent == 0:  # no text came (cut before the arguments began): the call still
+                self.calls_sent = 1
+                return [self._call_delta(0, self.plan.named or "", self.text, with_header=True)], True
+            return [], True
+        parsed = self.plan.read_final(self.text, cut)
         if not parsed.calls:
             return self._content(self.text[self.sent :], len(self.text)), False
         deltas = [

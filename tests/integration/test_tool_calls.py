@@ -202,3 +202,38 @@ def test_langchain_bind_tools_and_structured_output(gateway: GatewayProcess) -> 
     assert message.tool_calls[0]["args"]["city"] in ("Paris", "Rome")
     structured = llm.with_structured_output(GetWeather, method="function_calling").invoke("Weather in Rome?")
     assert isinstance(structured, GetWeather) and structured.city in ("Paris", "Rome")
+
+
+def _compact(arguments: str) -> str:
+    return json.dumps(json.loads(arguments), separators=(",", ":"))
+
+
+@pytest.mark.parametrize(
+    "tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}]
+)
+def test_a_required_or_named_call_cut_by_max_tokens_is_still_a_call(
+    client: openai.OpenAI, tool_choice: object
+) -> None:
+    """As OpenAI answers: the unfinished call as tool_calls, with the arguments generated so far,
+    and finish_reason length, streamed and not; never the call's text as content."""
+    kwargs = dict(model="m", messages=ASK, tools=[WEATHER], tool_choice=tool_choice, temperature=0)
+    whole = client.chat.completions.create(**kwargs, max_tokens=80)  # type: ignore[call-overload]
+    complete = _compact(whole.choices[0].message.tool_calls[0].function.arguments)
+    assert whole.usage is not None and whole.usage.completion_tokens > 4
+    # Greedy, so the same tokens with fewer allowed: the first cut that ends inside the arguments.
+    for cut_at in range(whole.usage.completion_tokens - 2, 0, -1):
+        cut = client.chat.completions.create(**kwargs, max_tokens=cut_at)  # type: ignore[call-overload]
+        choice = cut.choices[0]
+        assert choice.finish_reason == "length" and choice.message.content is None
+        (call,) = choice.message.tool_calls
+        assert call.function.name == "get_weather" and call.id
+        assert complete.startswith(call.function.arguments.replace(" ", ""))
+        if call.function.arguments != complete:
+            break
+    assert call.function.arguments != complete
+    streamed = list(client.chat.completions.create(**kwargs, max_tokens=cut_at, stream=True))  # type: ignore[call-overload]
+    calls = [t for c in streamed for t in c.choices[0].delta.tool_calls or []]
+    assert "".join(c.choices[0].delta.content or "" for c in streamed) == ""
+    assert [c.function.name for c in calls if c.function.name] == ["get_weather"]
+    assert "".join(c.function.arguments or "" for c in calls) == call.function.arguments
+    assert streamed[-1].choices[0].finish_reason == "length"

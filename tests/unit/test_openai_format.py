@@ -39,8 +39,9 @@ OUTPUTS = [
 def feed(formatter: ResponseFormatter, chosen: Choice, with_usage: bool = False) -> list[bytes]:
     chunks = []
     for output in OUTPUTS:
-        chosen.output.add(output)  # the owner adds each output before the formatter sees it
-        chunks.append(formatter.delta_chunk(chosen, output, with_usage))
+        delta = chosen.text.take(output)[0]  # as the request owner turns each output into a Delta
+        chosen.output.add(delta)  # the owner adds each Delta before the formatter sees it
+        chunks.append(formatter.delta_chunk(chosen, delta, with_usage))
     return chunks
 
 
@@ -63,7 +64,8 @@ def test_chat_stream_shape_role_first_finish_last_and_usage_placeholders() -> No
 def test_an_output_with_nothing_to_say_sends_nothing() -> None:
     formatter = ResponseFormatter("cmpl-1", "m", chat=False)
     empty = JobOutput("r", "", [7])
-    assert formatter.delta_chunk(choice(0), empty, with_usage=False) == b""
+    chosen = choice(0)
+    assert formatter.delta_chunk(chosen, chosen.text.take(empty)[0], with_usage=False) == b""
 
 
 def test_completions_echo_once_per_choice_and_offsets_follow_the_text() -> None:
@@ -82,7 +84,7 @@ def test_streamed_text_equals_the_final_body(chat: bool) -> None:
     formatter = ResponseFormatter("id", "m", chat=chat)
     chunks = [decode(c) for c in feed(formatter, streamed_choice)]
     for output in OUTPUTS:
-        whole_choice.output.add(output)
+        whole_choice.output.add(whole_choice.text.take(output)[0])
     body = formatter.final_body([whole_choice])
     if chat:
         streamed = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
@@ -102,7 +104,8 @@ def test_n_choices_share_their_prompt_in_usage_and_keep_their_indices() -> None:
     formatter = ResponseFormatter("id", "m", chat=True)
     choices = [choice(0), choice(1)]
     for index, text in ((0, "a"), (1, "bb")):
-        choices[index].output.add(JobOutput("r", text, [1, 2], FinishReason.LENGTH, Usage(4, 2)))
+        chosen = choices[index]
+        chosen.output.add(chosen.text.take(JobOutput("r", text, [1, 2], FinishReason.LENGTH, Usage(4, 2)))[0])
     body = formatter.final_body(choices)
     assert [(c["index"], c["message"]["content"], c["finish_reason"]) for c in body["choices"]] == [
         (0, "a", "length"), (1, "bb", "length")]  # fmt: skip

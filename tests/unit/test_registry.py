@@ -112,6 +112,19 @@ def test_example_registries_are_valid(path: Path) -> None:
             "  - {name: m2, engine: transformers, path: y, aliases: [m1]}",
             ["'m1'", "already used"],
         ),
+        (
+            "  - {name: m1, engine: transformers, path: x, reasoning_parser: o1}",
+            ["model 'm1'", "field 'reasoning_parser'", "'deepseek_r1' or 'qwen3'"],
+        ),
+        (
+            "  - {name: m1, engine: transformers, path: x, fallbacks: [m2, nope]}\n"
+            "  - {name: m2, engine: transformers, path: y, task: embed, fallbacks: [m2]}",
+            [
+                "model 'm1', field 'fallbacks': 'nope' is not a model",
+                "model 'm1', field 'fallbacks': 'm2' has task embed, this model has task generate",
+                "model 'm2', field 'fallbacks': 'm2' is this model itself",
+            ],
+        ),
     ],
 )
 def test_errors_name_file_model_and_field(tmp_path: Path, snippet: str, expected: list[str]) -> None:

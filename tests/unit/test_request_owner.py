@@ -21,6 +21,9 @@ import zmq.asyncio
 from gateway.config.registry import ModelConfig, ModelLimits
 from gateway.errors import APIError, InvalidRequest, RequestTimeout, ServiceUnavailable, WorkerFailed
 from gateway.observability.metrics import GatewayMetrics, RequestRecorder
+from gateway.reasoning.parsers import parser_named
+from gateway.reasoning.plan import ReasoningPlan
+from gateway.serving.choice_text import TextPlan
 from gateway.serving.outputs import ChoiceInput
 from gateway.serving.request_owner import KEEPALIVE, RequestOwner
 from gateway.serving.router import ModelRoute
@@ -29,7 +32,7 @@ from gateway.serving.worker_link import WorkerLink
 from gateway.workers.handle import WorkerHandle
 from tests.harness import async_wait_until
 from wire import messages as wire
-from wire.params import SamplingParams
+from wire.params import ChatMessage, ChatOptions, SamplingParams
 from wire.results import AbortReason, FinishReason, JobOutput, RejectCode, Usage
 from wire.states import WorkerState
 
@@ -82,14 +85,21 @@ class Rig:
     recorders: list[RequestRecorder] = field(default_factory=list)
 
     def open(
-        self, n: int = 1, deadline_s: float = 10.0, streaming: bool = True, **params: Any
+        self,
+        n: int = 1,
+        deadline_s: float = 10.0,
+        streaming: bool = True,
+        text_plan: TextPlan | None = None,
+        choice_input: ChoiceInput | None = None,
+        **params: Any,
     ) -> RequestOwner:
         recorder = RequestRecorder(self.metrics, "m", "/v1/completions")
         self.recorders.append(recorder)
-        sampling = SamplingParams(max_tokens=8, **params)
+        sampling = SamplingParams(**{"max_tokens": 8, **params})
         loop = asyncio.get_running_loop()
-        return self.service.open(self.route, [ChoiceInput(prompt="hi")] * n, sampling,
-                                 loop.time() + deadline_s, recorder, streaming)  # fmt: skip
+        inputs = [choice_input or ChoiceInput(prompt="hi")] * n
+        return self.service.open(self.route, inputs, sampling, loop.time() + deadline_s, recorder, streaming,
+                                 text_plan)  # fmt: skip
 
     async def cancels(self, worker_id: str = "w0") -> set[str]:
         return await self.peers[worker_id].cancels(self.link, worker_id)
@@ -151,8 +161,10 @@ async def consume(owner: RequestOwner, started: Callable[[], None] | None = None
         owner.close()
 
 
-def output(rid: str, text: str, finish: FinishReason | None = None) -> JobOutput:
-    return JobOutput(rid, text, [1], finish, Usage(3, 2) if finish else None)
+def output(
+    rid: str, text: str, finish: FinishReason | None = None, ids: list[int] | None = None
+) -> JobOutput:
+    return JobOutput(rid, text, ids or [1], finish, Usage(3, 2) if finish else None)
 
 
 def test_a_request_runs_to_its_end_and_gives_everything_back(tmp_path: Path) -> None:
@@ -441,6 +453,145 @@ def test_queued_outputs_come_out_as_one_batch_and_an_abort_still_delivers_them(t
                 await batches.__anext__()
             owner.close()
             assert await r.cancels() == {first, second}
+            r.assert_all_released()
+
+    asyncio.run(scenario())
+
+
+def test_tokenize_and_embeddings_are_live_requests_that_drains_reloads_and_shutdowns_end(
+    tmp_path: Path,
+) -> None:
+    """One-shot exchanges have an owner too: the service counts them (a drain waits for them), a
+    reload of their worker and a shutdown end them with the reason, and an embedding's slot comes
+    back whatever way it ends."""
+
+    async def scenario() -> None:
+        async with rig(tmp_path) as r:
+            loop = asyncio.get_running_loop()
+
+            def tokenize(rid: str) -> wire.Tokenize:
+                return wire.Tokenize(rid, "hi", None, True)
+
+            answered = asyncio.create_task(r.service.open_exchange(r.route, loop.time() + 5).run(tokenize))
+            message = await r.peers["w0"].receive()
+            assert isinstance(message, wire.Tokenize) and r.service.in_flight == 1
+            await r.peers["w0"].send(wire.Tokens(message.rid, [1, 2], "hi"))
+            assert (await asyncio.wait_for(answered, 2)).token_ids == [1, 2]
+            assert r.service.in_flight == 0
+
+            reloaded = asyncio.create_task(r.service.open_exchange(r.route, loop.time() + 5).run(tokenize))
+            assert isinstance(await r.peers["w0"].receive(), wire.Tokenize)  # never answered
+            assert (
+                r.service.abort_on_worker("w0", ServiceUnavailable("reloading", code="model_reloading")) == 1
+            )
+            with pytest.raises(ServiceUnavailable, match="reloading"):
+                await asyncio.wait_for(reloaded, 2)
+
+            def embed(rid: str) -> wire.Embed:
+                return wire.Embed(rid, ["a"], None)
+
+            embedding = asyncio.create_task(
+                r.service.open_exchange(r.route, loop.time() + 5).run(embed, slot_work=3)
+            )
+            assert isinstance(await r.peers["w0"].receive(), wire.Embed)
+            assert r.route.replicas[0].in_flight == 1 and r.service.in_flight == 1  # it holds a slot
+            r.service.abort_all(ServiceUnavailable("the server is shutting down", code="shutting_down"))
+            with pytest.raises(ServiceUnavailable) as ended:
+                await asyncio.wait_for(embedding, 2)
+            assert ended.value.code == "shutting_down"
+
+            timed_out = r.service.open_exchange(r.route, loop.time() + 0.2).run(embed, slot_work=3)
+            with pytest.raises(RequestTimeout):
+                await asyncio.wait_for(timed_out, 2)
+            r.assert_all_released()
+
+    asyncio.run(scenario())
+
+
+CHAT = ChoiceInput(messages=[ChatMessage("user", "hi")], chat=ChatOptions())
+SCHEMA = {"json_object": False, "json_schema": '{"type":"object"}', "regex": None, "compact_json": True}
+
+
+def thinking(budget: int | None, withheld: dict[str, Any] | None = None) -> TextPlan:
+    return TextPlan(reasoning=ReasoningPlan(parser_named("deepseek_r1"), budget, withheld))
+
+
+def test_a_spent_thinking_budget_closes_the_thinking_and_the_answer_continues(tmp_path: Path) -> None:
+    """The job is cancelled at the budget; the continuation's prompt is the prompt, every token so
+    far and the closing tag, all tokenized by the same worker; the constraint held back while the
+    model thought applies to it; the choice's usage spans both jobs."""
+
+    async def scenario() -> None:
+        async with rig(tmp_path) as r:
+            owner = r.open(text_plan=thinking(3, SCHEMA), choice_input=CHAT, max_tokens=10, min_tokens=5)
+            handler = asyncio.create_task(consume(owner))
+            peer = r.peers["w0"]
+            (first,) = await peer.generates(1, accept=True)
+            assert first.messages is not None and first.params.json_schema is None  # free to think
+            await peer.send(wire.Step([output(first.rid, "a", ids=[11])]))
+            await peer.send(wire.Step([output(first.rid, "b", ids=[12])]))
+            await peer.send(wire.Step([output(first.rid, "c", ids=[13])]))  # the third thinking token
+            assert await peer.receive() == wire.Cancel(first.rid)
+            prompt = await peer.receive()
+            assert isinstance(prompt, wire.Tokenize) and prompt.messages == CHAT.messages
+            await peer.send(wire.Tokens(prompt.rid, [1, 2, 3], "hi"))
+            closing = await peer.receive()
+            assert isinstance(closing, wire.Tokenize) and closing.prompt == "\n</think>\n\n"
+            assert not closing.add_special_tokens
+            await peer.send(wire.Tokens(closing.rid, [9, 9], "\n</think>\n\n"))
+            (second,) = await peer.generates(1, accept=True)
+            assert second.prompt_token_ids == [1, 2, 3, 11, 12, 13, 9, 9] and second.messages is None
+            params = second.params
+            assert (params.max_tokens, params.min_tokens, params.json_schema) == (7, 2, '{"type":"object"}')
+            await peer.send(wire.Step([output(second.rid, "{}", FinishReason.STOP)]))
+            events = await asyncio.wait_for(handler, 2)
+            assert [(d.reasoning, d.text) for _, d in events] == [("a", ""), ("b", ""), ("c", ""), ("", "{}")]
+            state = owner.choices[0].output
+            assert (state.reasoning, state.text, state.finish_reason) == ("abc", "{}", FinishReason.STOP)
+            assert (state.prompt_tokens, state.completion_tokens, state.reasoning_tokens) == (3, 5, 3)
+            assert await peer.cancels() == set()
+            r.assert_all_released()
+
+    asyncio.run(scenario())
+
+
+def test_the_end_of_thinking_hands_over_to_the_constrained_answer(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with rig(tmp_path) as r:
+            owner = r.open(text_plan=thinking(None, SCHEMA), choice_input=CHAT, max_tokens=10)
+            handler = asyncio.create_task(consume(owner))
+            peer = r.peers["w0"]
+            (first,) = await peer.generates(1, accept=True)
+            await peer.send(wire.Step([output(first.rid, "done</think>", ids=[11, 12])]))
+            assert await peer.receive() == wire.Cancel(first.rid)
+            prompt = await peer.receive()
+            assert isinstance(prompt, wire.Tokenize)
+            await peer.send(wire.Tokens(prompt.rid, [1], "hi"))  # no closing tag: the model closed it
+            (second,) = await peer.generates(1)
+            assert second.prompt_token_ids == [1, 11, 12] and second.params.json_schema is not None
+            # No room left in the context: the choice ends by length.
+            await peer.send(wire.Rejected(second.rid, RejectCode.CONTEXT_LENGTH_EXCEEDED, "too long", None))
+            events = await asyncio.wait_for(handler, 2)
+            assert events[-1][1].finish_reason is FinishReason.LENGTH
+            assert owner.choices[0].output.reasoning == "done" and owner.outcome == 200
+            r.assert_all_released()
+
+    asyncio.run(scenario())
+
+
+def test_an_abort_during_a_continuation_ends_it_and_gives_everything_back(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with rig(tmp_path) as r:
+            owner = r.open(text_plan=thinking(1), choice_input=CHAT, deadline_s=0.5)
+            handler = asyncio.create_task(consume(owner))
+            peer = r.peers["w0"]
+            (first,) = await peer.generates(1, accept=True)
+            await peer.send(wire.Step([output(first.rid, "a")]))
+            assert await peer.receive() == wire.Cancel(first.rid)
+            assert isinstance(await peer.receive(), wire.Tokenize)  # never answered: the deadline passes
+            with pytest.raises(RequestTimeout):
+                await asyncio.wait_for(handler, 2)
+            assert owner.outcome == 408
             r.assert_all_released()
 
     asyncio.run(scenario())

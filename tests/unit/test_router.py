@@ -323,3 +323,30 @@ def test_priority_classes_age_and_requests_cannot_rise_above_their_key() -> None
     assert allowed_priority("high", "normal") == "normal"  # capped at the key's class
     assert allowed_priority(" LOW ", "normal") == "low"
     assert allowed_priority("urgent", "high") is None
+
+
+def test_when_a_request_should_go_to_a_fallback() -> None:
+    """A full queue or no ready worker sends it on; a busy model with room in its queue keeps it,
+    and an unloaded on-demand model loads for it (fallbacks do not replace loading on demand)."""
+    route = route_of(S.READY, max_concurrent_jobs=1, max_queued_requests=1)
+
+    async def scenario() -> None:
+        assert route.fallback_reason(1, 10) is None  # a free slot
+        holder = await route.acquire(soon())
+        assert route.fallback_reason(1, 10) is None  # busy, but the queue has room: it waits its turn
+        waiter = asyncio.create_task(route.acquire(soon()))
+        await asyncio.sleep(0.01)
+        assert route.fallback_reason(1, 10) == "queue_full"
+        with pytest.raises(QueueFull) as refused:  # what admission would say, with the same code
+            await route.acquire(soon())
+        assert refused.value.code == "queue_full"
+        route.release(holder)
+        route.release(await asyncio.wait_for(waiter, 1))
+
+    run(scenario())
+    for states in ((S.LOADING,), (S.RESTARTING, S.FAILED), (S.UNLOADED,), ()):
+        assert route_of(*states).fallback_reason(1, 10) == "no_ready_worker", states
+    on_demand = ModelConfig(name="m", engine="transformers", path=Path("x"), load="on_demand")
+    assert (
+        ModelRoute(on_demand, replicas(on_demand, S.UNLOADED), lambda h: None).fallback_reason(1, 10) is None
+    )

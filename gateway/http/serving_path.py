@@ -1,0 +1,194 @@
+"""The one serving path every API surface uses; each surface only formats.
+
+Runs in the gateway process, inside Quart request handling. Owns what happens between a validated
+request and its last byte, once for every surface (chat, completions, Responses, Messages,
+embeddings, tokenize): opening the request's owner (so a drain, a reload or a shutdown sees it),
+admission (refusals are HTTP errors before any stream opens), then either one JSON body or an SSE
+stream that writes what is already queued as one chunk, keep-alives on a quiet stream, an error
+event when the request ends early after the stream opened, and the owner's close on every path,
+a client's disconnect included; and fallbacks: a model whose queue is full or which has no ready
+worker hands the request to the first of its registry `fallbacks` that can take it, and the
+response names the model that answered. A surface brings a `Formatter` (its JSON and event
+shapes) and the choice inputs and sampling parameters for the model that will answer, built for
+that model (its defaults, tool and reasoning parsers), so a fallback gets its own.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from quart import Response, jsonify
+
+from gateway.errors import APIError, InvalidRequest
+from gateway.http.auth import may_use
+from gateway.http.current import current_gateway
+from gateway.observability.logging_setup import set_log_context
+from gateway.observability.metrics import count_fallback, start_request
+from gateway.serving.choice_text import TextPlan
+from gateway.serving.exchange_owner import OneShot
+from gateway.serving.outputs import ChoiceInput, Delta
+from gateway.serving.request_owner import KEEPALIVE, RequestOwner
+from gateway.serving.router import ModelRoute
+from wire.params import SamplingParams
+
+logger = logging.getLogger(__name__)
+SSE_KEEPALIVE = b": keepalive\n\n"
+
+
+class Formatter:
+    """One API surface's shapes for one request. Subclasses override what their surface sends;
+    a method's default here is what a surface without that part sends (nothing)."""
+
+    keepalive = SSE_KEEPALIVE
+
+    def opening(self, owner: RequestOwner) -> bytes:
+        """What a stream starts with, once every choice was admitted."""
+        return b""
+
+    def chunk(self, owner: RequestOwner, index: int, delta: Delta) -> bytes:
+        """The events for one Delta of choice `index` (empty when there is nothing to send yet)."""
+        return b""
+
+    async def finished(self, owner: RequestOwner) -> None:
+        """Every choice finished normally (streamed or not), before `closing` or `body`."""
+
+    def closing(self, owner: RequestOwner) -> bytes:
+        """What a stream ends with after every choice finished."""
+        return b""
+
+    def stream_error(self, error: APIError) -> bytes:
+        """The events that end a stream which started before the request failed."""
+        raise NotImplementedError
+
+    def body(self, owner: RequestOwner) -> dict[str, Any]:
+        """The JSON body of a request that is not streamed."""
+        raise NotImplementedError
+
+
+@dataclass
+class Generation:
+    """What a surface asks of the model that answers: built for that model's route."""
+
+    inputs: list[ChoiceInput]
+    params: SamplingParams
+    formatter: Formatter
+    text_plan: TextPlan | None = None  # what the gateway itself watches for in the text
+
+
+# (the route that will answer, the model name the response shows) -> the generation for it
+PlanFor = Callable[[ModelRoute, str], Awaitable[Generation]]
+
+
+def generation_route(model: str) -> ModelRoute:
+    route = current_gateway().router.route(model)
+    if route.config.task == "embed":
+        raise InvalidRequest(
+            f"model '{route.config.name}' is an embedding model; use /v1/embeddings", param="model"
+        )
+    return route
+
+
+async def serve_generation(model: str, plan_for: PlanFor, stream: bool, timeout: float | None) -> Any:
+    """Admit the request on `model` (or on one of its fallbacks) and answer it: one JSON body, or an
+    SSE stream."""
+    gateway = current_gateway()
+    route = generation_route(model)
+    generation = await plan_for(route, model)
+    route, generation = await _fallback_if_needed(route, generation, plan_for)
+    set_log_context(model=route.config.name)  # the canonical name, on every line of this request
+    deadline = gateway.router.deadline_for(route, timeout)
+    recorder = start_request(route.config.name)
+    owner = gateway.service.open(
+        route, generation.inputs, generation.params, deadline, recorder, stream, generation.text_plan
+    )
+    await owner.admit()  # refusals (400, 429, 503, 408) surface here, before any stream opens
+    formatter = generation.formatter
+    if stream:
+        return event_stream(_stream(owner, formatter))
+    try:
+        async for _ in owner.events():
+            pass
+        await formatter.finished(owner)
+        return jsonify(formatter.body(owner))
+    finally:
+        owner.close()
+
+
+async def _fallback_if_needed(
+    primary: ModelRoute, generation: Generation, plan_for: PlanFor
+) -> tuple[ModelRoute, Generation]:
+    """The route that serves the request: `primary`, unless its queue is full or none of its workers
+    is ready and one of its `fallbacks` (that this key may use) would take the request now. The
+    check and the admission that follows share one turn of the event loop, so nothing changes
+    between them. When no fallback can take it, the primary's own rules apply (wait, or refuse)."""
+    if not primary.config.fallbacks:
+        return primary, generation
+    size = sum(choice.size_estimate() for choice in generation.inputs)
+    reason = primary.fallback_reason(len(generation.inputs), size)
+    if reason is None:
+        return primary, generation
+    router = current_gateway().router
+    for name in primary.config.fallbacks:
+        try:
+            route = router.route(name)
+        except APIError:
+            continue  # removed by a reload since the registry was checked
+        if route.config.task != "generate" or not may_use(route.config.name):
+            continue
+        candidate = await plan_for(route, route.config.name)  # the response names who answered
+        if route.fallback_reason(len(candidate.inputs), size) is None:
+            logger.info(
+                "model %s: %s; model %s answers instead", primary.config.name, reason, route.config.name
+            )
+            count_fallback(primary.config.name, route.config.name, reason)
+            return route, candidate
+    return primary, generation
+
+
+def event_stream(body: AsyncIterator[bytes]) -> Response:
+    response = Response(body, content_type="text/event-stream; charset=utf-8")
+    response.headers["Cache-Control"] = "no-cache"
+    response.headers["X-Accel-Buffering"] = "no"
+    response.timeout = None  # long generations must not be cut by Quart's response timeout
+    return response
+
+
+async def _stream(owner: RequestOwner, formatter: Formatter) -> AsyncIterator[bytes]:
+    try:
+        opening = formatter.opening(owner)
+        if opening:
+            yield opening
+        # One write per batch: what is already queued for this stream goes out together, so a
+        # stream that fell behind (or an n > 1 request, whose choices share a step) costs one
+        # socket send instead of one per token.
+        async for batch in owner.event_batches():
+            chunks = []
+            for event in batch:
+                if event is KEEPALIVE:
+                    chunks.append(formatter.keepalive)
+                    continue
+                index, delta = event  # type: ignore[misc]
+                chunks.append(formatter.chunk(owner, index, delta))
+            body = b"".join(chunks)
+            if body:
+                yield body
+        await formatter.finished(owner)
+        yield formatter.closing(owner)
+    except APIError as exc:
+        yield formatter.stream_error(exc)
+    finally:
+        # Runs on normal end, on error, and on client disconnect (CancelledError). If the client
+        # left before this body ever started, the owner closes when the request task ends.
+        owner.close()
+
+
+async def serve_exchange(
+    route: ModelRoute, build: Callable[[str], OneShot], timeout_s: float | None, slot_work: int | None = None
+) -> Any:
+    """A one-shot worker request (tokenize, detokenize, embed) through its owner; its answer."""
+    gateway = current_gateway()
+    deadline = gateway.router.deadline_for(route, timeout_s)
+    return await gateway.service.open_exchange(route, deadline).run(build, slot_work)

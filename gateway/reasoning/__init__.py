@@ -1,0 +1,1 @@
+"""Reasoning output: thinking split from the answer, and budgets on thinking."""

@@ -1,0 +1,1 @@
+"""State the gateway keeps across requests and restarts: stored Responses API responses."""
