@@ -122,7 +122,8 @@ def test_usage_counts_each_prompt_once_whatever_n_and_their_lengths() -> None:
         for i in range(4)
     ]
     for chosen in choices:
-        chosen.output.add(JobOutput("r", "x", [1], FinishReason.LENGTH, Usage(3, 1, cached_tokens=1)))
+        output = JobOutput("r", "x", [1], FinishReason.LENGTH, Usage(3, 1, cached_tokens=1))
+        chosen.output.add(chosen.text.take(output)[0])
     usage = formatter.final_body(choices)["usage"]
     assert (usage["prompt_tokens"], usage["completion_tokens"], usage["total_tokens"]) == (6, 4, 10)
     assert usage["prompt_tokens_details"] == {"cached_tokens": 2}

@@ -549,7 +549,7 @@ def test_a_spent_thinking_budget_closes_the_thinking_and_the_answer_continues(tm
             state = owner.choices[0].output
             assert (state.reasoning, state.text, state.finish_reason) == ("abc", "{}", FinishReason.STOP)
             assert (state.prompt_tokens, state.completion_tokens, state.reasoning_tokens) == (3, 5, 3)
-            assert await peer.cancels() == set()
+            assert await r.cancels() == set()
             r.assert_all_released()
 
     asyncio.run(scenario())
