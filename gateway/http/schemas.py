@@ -263,6 +263,18 @@ class ToolDefinition(BaseModel):
     function: FunctionDefinition
 
 
+# OpenAI chat parameters that change the output and that nothing here can honour: a 400 naming
+# each, never a silent 200 (genuinely unknown fields are still ignored).
+_UNSUPPORTED_CHAT = {
+    "reasoning_effort": "reasoning_effort is not supported: cap thinking with thinking_token_budget "
+    "(models with a reasoning_parser)",
+    "verbosity": "verbosity is not supported",
+    "audio": "audio output is not supported",
+    "prediction": "predicted outputs (prediction) are not supported",
+    "web_search_options": "web search is not supported",
+}
+
+
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(..., min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = Field(None, ge=1, lt=2**31)
@@ -289,6 +301,13 @@ class ChatCompletionRequest(_Request):
             )
         if self.echo:
             raise InvalidRequest("echo is not supported on chat completions", param="echo")
+        extra = self.model_extra or {}
+        for name, reason in _UNSUPPORTED_CHAT.items():
+            if extra.get(name) is not None:
+                raise InvalidRequest(reason, param=name)
+        modalities = extra.get("modalities")
+        if modalities is not None and modalities != ["text"]:
+            raise InvalidRequest("only text output is supported (modalities: ['text'])", param="modalities")
         if self.add_generation_prompt and self.continue_final_message:
             raise InvalidRequest(
                 "continue_final_message needs add_generation_prompt false", param="continue_final_message"
