@@ -10,7 +10,6 @@ its Ready message). These take no generation slot, so they work while a model is
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -24,6 +23,7 @@ from gateway.http.schemas import ChatMessage, TokenId, ToolDefinition
 from gateway.serving.router import ModelRoute
 from gateway.tools.plan import tool_specs
 from wire import messages as wire
+from wire.codec import as_dict
 from wire.params import ChatOptions
 
 blueprint = Blueprint("tokenize", __name__)
@@ -116,4 +116,4 @@ async def tokenizer_info() -> Any:
     ready = next((r.ready_message for r in route.replicas if r.ready and r.ready_message), None)
     if ready is None or ready.tokenizer is None:
         raise ServiceUnavailable(f"model '{route.config.name}' is not ready yet")
-    return jsonify(dataclasses.asdict(ready.tokenizer))
+    return jsonify(as_dict(ready.tokenizer))
