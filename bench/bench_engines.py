@@ -16,7 +16,6 @@ markdown table with the targets and a JSON file (device, date, versions, every f
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import platform
@@ -35,6 +34,7 @@ from bench.streams import Round, engine_round, http_round, raw_round, summarize 
 from model_worker.engines.registry import create_engine  # noqa: E402
 from tests.gpu.support import gateway_env, write_registry  # noqa: E402
 from tests.harness import GatewayProcess  # noqa: E402
+from wire.codec import as_dict  # noqa: E402
 
 PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time, in a small village, " * 4
 
@@ -66,7 +66,7 @@ def run_overhead(args: argparse.Namespace, report: dict[str, Any]) -> None:
     rounds; then logprobs vs none (gateway); then, with --py-spy, one profiled round of each."""
     engine = create_engine(args.engine, args.model, args.max_seq_len, settings(args))
     engine.load(lambda detail, progress: None)
-    report["info"] = {k: v for k, v in dataclasses.asdict(engine.info()).items() if k != "devices"}
+    report["info"] = {k: v for k, v in as_dict(engine.info()).items() if k != "devices"}
     config = write_registry(
         args.out_dir / "bench.yaml", [registry_entry("m", args.engine, args.model, [0], args)]
     )

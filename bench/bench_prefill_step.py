@@ -11,13 +11,13 @@ fills most of the context, and times every `step()`: the prefill chunks and the 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import statistics
 import time
 from pathlib import Path
 
 from model_worker.engines.registry import create_engine
+from wire.codec import as_dict
 from wire.params import SamplingParams
 
 
@@ -53,7 +53,7 @@ def main() -> None:
             "prefill_steps": len(prefill),
             "prefill_step_max_s": round(max(prefill), 4),
             "decode_step_p50_s": round(statistics.median(decode), 4) if decode else None,
-            "info": {k: v for k, v in dataclasses.asdict(engine.info()).items() if k != "devices"},
+            "info": {k: v for k, v in as_dict(engine.info()).items() if k != "devices"},
         }
     print(json.dumps(figures, indent=1))
     if args.out:

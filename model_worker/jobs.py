@@ -9,10 +9,11 @@ meanwhile), and the set of live job ids (for cancels and for aborting at shutdow
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+import msgspec
 
 from model_worker.constraints import ConstraintCompiler
 from model_worker.engines.base import Engine, RequestRejected
@@ -131,7 +132,7 @@ class JobDesk:
                 self.live.discard(output.rid)
             if self._prompt_logprobs and output.rid in self._prompt_logprobs:
                 scored = self._prompt_logprobs.pop(output.rid)
-                outputs[index] = dataclasses.replace(output, prompt_logprobs=scored)
+                outputs[index] = msgspec.structs.replace(output, prompt_logprobs=scored)
         return outputs
 
     def cancel(self, rid: str) -> bool:

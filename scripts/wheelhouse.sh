@@ -36,8 +36,8 @@ packages=(
     # the GPU engines (pure Python; their CUDA extensions are prebuilt or JIT-built on the host)
     exllamav2==0.3.2
     exllamav3==1.6.5 marisa-trie==1.4.1 llguidance==1.9.1
-    # worker <-> gateway link
-    pyzmq==27.3.0
+    # worker <-> gateway link: ZeroMQ sockets, msgspec wire structs (wire/)
+    pyzmq==27.3.0 msgspec==0.22.0
     # HTTP server: Quart on Hypercorn (request schemas and OpenAPI by quart-schema), and what they import
     quart-schema==0.25.0 quart==0.22.0 flask==3.1.3 werkzeug==3.1.9 blinker==1.9.0 itsdangerous==2.2.0
     hypercorn==0.18.0 h11==0.16.0 h2==4.4.1 hpack==4.2.0 hyperframe==6.1.0 priority==2.0.0 wsproto==1.3.2

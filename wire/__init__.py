@@ -1,6 +1,6 @@
 """The shared wire package: what the gateway and its workers say to each other, and nothing else.
 
-Imported by both processes; imports neither, nor torch or Quart (standard library and msgpack
+Imported by both processes; imports neither, nor torch or Quart (standard library and msgspec
 only). Owns the typed messages down to their leaves (wire.messages, wire.params, wire.results,
 wire.stats), the frame codec (wire.codec), the worker state table (wire.states) and the log line
 format both processes write (wire.log_format).

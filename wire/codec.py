@@ -1,24 +1,30 @@
-"""The frame codec: typed dataclasses to msgpack arrays and back, validated field by field.
+"""The frame codec: msgspec Structs as msgpack arrays, validated in C on decode.
 
-Imported by the gateway and by every worker. Owns the frame format and its limits. Each message
-and nested struct is a frozen dataclass declared once; the codec reads its type hints and compiles
-an encoder and a validating decoder per class, so no field is described twice and decoding a Step
-of 64 jobs costs a few closure calls per field. A frame is `msgpack([tag, [field, ...]])`; nested
-structs are arrays too, enums travel as their values. Nothing here unpickles: msgpack ext types
-are refused, and anything oversized, malformed or of the wrong shape raises `ProtocolError`.
+Imported by the gateway and by every worker. Owns the frame format, its limits and the struct base
+every wire type derives from. A message and each nested struct is a `Struct`: frozen, encoded as an
+array of its fields in declaration order (`array_like`), never tracked by the garbage collector
+(`gc=False`: wire structs hold plain data and never form reference cycles). msgspec checks every
+field's type while it decodes, so no field is described twice and nothing here walks a frame in
+Python. A frame is `msgpack([tag, [field, ...]])`: the tag picks the message type, whose own decoder
+reads the fields; nested structs are arrays too, enums travel as their values, and trailing fields
+that have defaults may be left out (msgspec writes every field of an array-like struct whatever
+`omit_defaults` says, msgspec#720, so that option is not set). This is the layout protocol version
+3 had, so frames of either codec decode alike.
+
+Nothing here unpickles: msgpack ext types are refused, and anything oversized, malformed, of the
+wrong shape or with a value outside its constraints (non-finite floats, negative counts) raises
+`ProtocolError` naming the field.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import enum
 import math
+import sys
 import types
 import typing
-from collections.abc import Callable
-from typing import Any, ClassVar, TypeVar, Union
+from typing import Annotated, Any, ClassVar, TypeVar, Union
 
-import msgpack
+import msgspec
 
 # A Step carries one entry per active job; even at batch 256 with logprobs it stays far below this.
 MAX_FRAME_BYTES = 16 * 1024 * 1024
@@ -26,251 +32,191 @@ MAX_FRAME_BYTES = 16 * 1024 * 1024
 # closing the connection for good, so frames between the two caps are dropped and logged instead,
 # and only an absurd frame costs the link (the heartbeat watchdog then restarts the worker).
 MAX_SOCKET_MESSAGE_BYTES = 4 * MAX_FRAME_BYTES
+# Free-form fields (a tool's JSON schema, template variables) nest no deeper than this.
+MAX_PLAIN_DEPTH = 32
+
+# Field types with constraints msgspec checks while decoding (construction in code is not checked).
+Finite = Annotated[float, msgspec.Meta(ge=-sys.float_info.max, le=sys.float_info.max)]  # no nan, no inf
+Count = Annotated[int, msgspec.Meta(ge=0)]
 
 
 class ProtocolError(ValueError):
     """A frame that does not decode to a valid message of this protocol version."""
 
 
-class Message:
+class Struct(msgspec.Struct, array_like=True, frozen=True, forbid_unknown_fields=True, gc=False):
+    """Base of every struct that travels in a frame. Subclasses say `frozen=True` again only for
+    mypy, which does not carry it over from a base (msgspec does)."""
+
+
+class Message(Struct, frozen=True):
     """Base of every top-level message; `TAG` names it on the wire."""
 
     TAG: ClassVar[str]
 
 
 T = TypeVar("T")
-Decoder = Callable[[Any], Any]
-Encoder = Callable[[Any], Any]
 
 
-def _identity(value: Any) -> Any:
-    return value
+def _refuse_ext(code: int, data: memoryview) -> Any:
+    # ext types are how foreign object encodings sneak in; a plain-data protocol has no use for them.
+    raise ValueError(f"msgpack ext type {code} not allowed")
 
 
-# ---- decoders ----------------------------------------------------------------------------------
-
-
-def _scalar_decoder(kind: type, where: str) -> Decoder:
-    if kind is float:
-
-        def decode_float(value: Any) -> float:
-            # bool is an int subclass: it must not pass where a number is meant, nor vice versa.
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise ProtocolError(f"{where}: number expected, got {type(value).__name__}")
-            number = float(value)
-            if not math.isfinite(number):
-                raise ProtocolError(f"{where}: not finite")
-            return number
-
-        return decode_float
-    if kind is int:
-
-        def decode_int(value: Any) -> int:
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise ProtocolError(f"{where}: int expected, got {type(value).__name__}")
-            return value
-
-        return decode_int
-
-    def decode_exact(value: Any) -> Any:
-        if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
-            raise ProtocolError(f"{where}: {kind.__name__} expected, got {type(value).__name__}")
-        return value
-
-    return decode_exact
-
-
-def _plain(value: Any, where: str, depth: int = 0) -> Any:
-    """`Any` fields carry plain msgpack data only (maps, arrays, scalars), and not too deeply."""
-    if depth > 32:
-        raise ProtocolError(f"{where}: nested too deeply")
+def check_plain(value: Any, where: str, depth: int = 0) -> None:
+    """Free-form (`Any`) fields carry plain data only: maps with string keys, arrays, finite
+    numbers, strings, booleans and null, nested at most MAX_PLAIN_DEPTH deep. Called from the
+    `__post_init__` of the structs that have such fields; raises ValueError."""
+    if depth > MAX_PLAIN_DEPTH:
+        raise ValueError(f"{where}: nested too deeply")
     if value is None or isinstance(value, (bool, int, str)):
-        return value
+        return
     if isinstance(value, float):
         if not math.isfinite(value):
-            raise ProtocolError(f"{where}: not finite")
-        return value
+            raise ValueError(f"{where}: not finite")
+        return
     if isinstance(value, list):
-        return [_plain(v, where, depth + 1) for v in value]
+        for item in value:
+            check_plain(item, where, depth + 1)
+        return
     if isinstance(value, dict):
-        if not all(isinstance(k, str) for k in value):
-            raise ProtocolError(f"{where}: map keys must be strings")
-        return {k: _plain(v, where, depth + 1) for k, v in value.items()}
-    raise ProtocolError(f"{where}: {type(value).__name__} not allowed")
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise ValueError(f"{where}: map keys must be strings")
+            check_plain(item, where, depth + 1)
+        return
+    raise ValueError(f"{where}: {type(value).__name__} not allowed")
 
 
-def _decoder_for(hint: Any, where: str) -> Decoder:
-    origin = typing.get_origin(hint)
-    if hint is Any:
-        return lambda value: _plain(value, where)
-    if origin in (Union, types.UnionType):
-        options = [a for a in typing.get_args(hint) if a is not type(None)]
-        if len(options) != 1:
-            raise TypeError(f"{where}: only `X | None` unions are supported on the wire")
-        inner = _decoder_for(options[0], where)
-        return lambda value: None if value is None else inner(value)
-    if origin is list:
-        (item_hint,) = typing.get_args(hint)
-        item = _decoder_for(item_hint, where + "[]")
-
-        def decode_list(value: Any) -> list[Any]:
-            if not isinstance(value, list):
-                raise ProtocolError(f"{where}: array expected, got {type(value).__name__}")
-            return [item(v) for v in value]
-
-        return decode_list
-    if origin is dict:
-        key_hint, value_hint = typing.get_args(hint)
-        key = _decoder_for(key_hint, where + ".key")
-        val = _decoder_for(value_hint, where + ".value")
-
-        def decode_dict(value: Any) -> dict[Any, Any]:
-            if not isinstance(value, dict):
-                raise ProtocolError(f"{where}: map expected, got {type(value).__name__}")
-            return {key(k): val(v) for k, v in value.items()}
-
-        return decode_dict
-    if isinstance(hint, type) and issubclass(hint, enum.Enum):
-        enum_type = hint
-
-        def decode_enum(value: Any) -> Any:
-            try:
-                return enum_type(value)
-            except ValueError:
-                raise ProtocolError(f"{where}: {value!r} is not a {enum_type.__name__}") from None
-
-        return decode_enum
-    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
-        return compiled(hint).decode_fields
-    if hint in (int, float, str, bool):
-        return _scalar_decoder(hint, where)
-    raise TypeError(f"{where}: type {hint!r} cannot travel on the wire")
+def _field_path(cls: type, path: str) -> str:
+    """msgspec names a bad value by its position (`$[4][0]`); say which field that is instead
+    (`Generate.params.max_tokens`), following the struct types the indices run through."""
+    names = [cls.__name__]
+    hint: Any = cls
+    for index in (int(part) for part in path.strip("$[]").split("][") if part.isdigit()):
+        hint = _bare(hint)
+        if isinstance(hint, type) and issubclass(hint, msgspec.Struct):
+            fields = msgspec.structs.fields(hint)
+            if index >= len(fields):
+                break
+            names.append(fields[index].name)
+            hint = fields[index].type
+        elif typing.get_origin(hint) is list:
+            names[-1] += f"[{index}]"
+            hint = typing.get_args(hint)[0]
+        else:
+            break
+    return ".".join(names)
 
 
-# ---- encoders ----------------------------------------------------------------------------------
+def _bare(hint: Any) -> Any:
+    """`X` of `X | None` and of `Annotated[X, ...]`."""
+    while True:
+        origin = typing.get_origin(hint)
+        if origin is Annotated:
+            hint = typing.get_args(hint)[0]
+            continue
+        if origin in (Union, types.UnionType):
+            options = [a for a in typing.get_args(hint) if a is not type(None)]
+            if len(options) == 1:
+                hint = options[0]
+                continue
+        return hint
 
 
-def _encoder_for(hint: Any) -> Encoder:
-    origin = typing.get_origin(hint)
-    if origin in (Union, types.UnionType):
-        (inner_hint,) = [a for a in typing.get_args(hint) if a is not type(None)]
-        inner = _encoder_for(inner_hint)
-        if inner is _identity:
-            return _identity
-        return lambda value: None if value is None else inner(value)
-    if origin is list:
-        item = _encoder_for(typing.get_args(hint)[0])
-        if item is _identity:
-            return _identity
-        return lambda value: [item(v) for v in value]
-    if origin is dict:
-        return _identity  # keys and values are scalars or plain data on every dict we send
-    if isinstance(hint, type) and issubclass(hint, enum.Enum):
-        return lambda value: value.value
-    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
-        return compiled(hint).encode_fields
-    return _identity
+# What msgspec says of a value outside `Finite` (nan and inf included), and what it means.
+_NOT_FINITE = (f"Expected `float` >= {-sys.float_info.max!r}", f"Expected `float` <= {sys.float_info.max!r}")
 
 
-# ---- per-class codecs --------------------------------------------------------------------------
+def _protocol_error(cls: type, exc: Exception) -> ProtocolError:
+    text = str(exc)
+    for phrase in _NOT_FINITE:
+        text = text.replace(phrase, "Expected a finite number")
+    head, _, path = text.rpartition(" - at `")
+    if head and path.endswith("`"):
+        where = path[:-1]
+        return ProtocolError(f"{_field_path(cls, where.split('`')[-1])}: {head} ({where})")
+    return ProtocolError(f"{cls.__name__}: {text}")
 
 
-class _Compiled:
-    """Encoder and validating decoder of one dataclass, built on first use from its type hints."""
+class _TypeCodec:
+    """The decoder of one struct type (reused: msgspec decoders are built once and are cheap)."""
 
     def __init__(self, cls: type) -> None:
         self.cls = cls
-        self.name = cls.__name__
-        hints = typing.get_type_hints(cls)
-        fields = [f for f in dataclasses.fields(cls) if f.init]
-        self.names = [f.name for f in fields]
-        self.required = sum(
-            1 for f in fields if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-        )
-        self.decoders: list[Decoder] = []
-        self.encoders: list[Encoder] = []
-        # Registered before the fields are compiled, so a struct may nest itself.
-        _COMPILED[cls] = self
-        for f in fields:
-            self.decoders.append(_decoder_for(hints[f.name], f"{self.name}.{f.name}"))
-            self.encoders.append(_encoder_for(hints[f.name]))
-        self.check: Callable[[Any], None] | None = getattr(cls, "check", None)
+        self.decoder: msgspec.msgpack.Decoder[Any] = msgspec.msgpack.Decoder(cls, ext_hook=_refuse_ext)
 
-    def encode_fields(self, obj: Any) -> list[Any]:
-        return [enc(getattr(obj, name)) for name, enc in zip(self.names, self.encoders, strict=True)]
-
-    def decode_fields(self, raw: Any) -> Any:
-        if not isinstance(raw, list):
-            raise ProtocolError(f"{self.name}: array expected, got {type(raw).__name__}")
-        # Trailing fields that have defaults may be left out; extra fields never pass.
-        if not self.required <= len(raw) <= len(self.names):
-            raise ProtocolError(f"{self.name}: expected {len(self.names)} fields, got {len(raw)}")
-        values = [dec(v) for dec, v in zip(self.decoders, raw, strict=False)]
+    def decode(self, data: bytes | msgspec.Raw) -> Any:
         try:
-            obj = self.cls(*values)
-        except (TypeError, ValueError) as exc:
-            raise ProtocolError(f"{self.name}: {exc}") from None
-        if self.check is not None:
-            try:
-                obj.check()
-            except ValueError as exc:
-                raise ProtocolError(f"{self.name}: {exc}") from None
-        return obj
+            return self.decoder.decode(data)
+        except msgspec.ValidationError as exc:
+            raise _protocol_error(self.cls, exc) from None
+        except (msgspec.DecodeError, ValueError, RecursionError) as exc:  # ValueError: ext, deep nesting
+            raise ProtocolError(f"{self.cls.__name__}: {exc}") from None
 
 
-_COMPILED: dict[type, _Compiled] = {}
+_ENCODER = msgspec.msgpack.Encoder()
+_CODECS: dict[type, _TypeCodec] = {}
 
 
-def compiled(cls: type) -> _Compiled:
-    codec = _COMPILED.get(cls)
-    return codec if codec is not None else _Compiled(cls)
+def _codec(cls: type) -> _TypeCodec:
+    codec = _CODECS.get(cls)
+    if codec is None:
+        codec = _CODECS[cls] = _TypeCodec(cls)
+    return codec
 
 
-def to_plain(obj: Any) -> list[Any]:
+def to_plain(obj: Any) -> Any:
     """A struct as the nested arrays it travels as (for tests and for embedding in other formats)."""
-    return compiled(type(obj)).encode_fields(obj)
+    return msgspec.to_builtins(obj)
 
 
 def from_plain(cls: type[T], raw: Any) -> T:
     """The inverse of `to_plain`, validated; ProtocolError if `raw` does not fit `cls`."""
-    return compiled(cls).decode_fields(raw)  # type: ignore[no-any-return]
+    return _codec(cls).decode(msgspec.msgpack.encode(raw))  # type: ignore[no-any-return]
+
+
+def as_dict(obj: Any) -> Any:
+    """A struct as nested dicts keyed by field name (for JSON reports and the admin API), like
+    `dataclasses.asdict`; lists and dict values are converted too, everything else is kept."""
+    if isinstance(obj, msgspec.Struct):
+        return {name: as_dict(getattr(obj, name)) for name in obj.__struct_fields__}
+    if isinstance(obj, list):
+        return [as_dict(item) for item in obj]
+    if isinstance(obj, dict):
+        return {key: as_dict(item) for key, item in obj.items()}
+    return obj
 
 
 # ---- frames ------------------------------------------------------------------------------------
+
+_FRAME = msgspec.msgpack.Decoder(tuple[str, msgspec.Raw], ext_hook=_refuse_ext)
 
 
 class Codec:
     """Encodes and decodes the frames of one set of message types (the protocol's)."""
 
     def __init__(self, message_types: list[type[Message]]) -> None:
-        self.by_tag: dict[str, _Compiled] = {}
+        self.by_tag: dict[str, _TypeCodec] = {}
         for cls in message_types:
             if cls.TAG in self.by_tag:
                 raise TypeError(f"duplicate message tag {cls.TAG!r}")
-            self.by_tag[cls.TAG] = compiled(cls)
+            self.by_tag[cls.TAG] = _codec(cls)
 
     def encode(self, message: Message) -> bytes:
-        fields = compiled(type(message)).encode_fields(message)
-        return msgpack.packb([message.TAG, fields], use_bin_type=True)  # type: ignore[no-any-return]
+        return _ENCODER.encode((message.TAG, message))
 
     def decode(self, frame: bytes) -> Message:
         """Decode and validate one frame. Raises ProtocolError for anything unexpected."""
         if len(frame) > MAX_FRAME_BYTES:
             raise ProtocolError(f"frame of {len(frame)} bytes exceeds {MAX_FRAME_BYTES}")
         try:
-            # ext types are refused outright: they are how foreign object encodings sneak in.
-            raw = msgpack.unpackb(frame, raw=False, strict_map_key=False, ext_hook=_refuse_ext)
-        except ProtocolError:
-            raise
-        except Exception as exc:  # msgpack raises several unrelated types for corrupt input
-            raise ProtocolError(f"undecodable frame: {type(exc).__name__}") from None
-        if not (isinstance(raw, list) and len(raw) == 2 and isinstance(raw[0], str)):
-            raise ProtocolError("frame is not [tag, fields]")
-        codec = self.by_tag.get(raw[0])
+            tag, fields = _FRAME.decode(frame)
+        except msgspec.ValidationError:
+            raise ProtocolError("frame is not [tag, fields]") from None
+        except (msgspec.DecodeError, ValueError, RecursionError) as exc:
+            raise ProtocolError(f"undecodable frame: {exc}") from None
+        codec = self.by_tag.get(tag)
         if codec is None:
-            raise ProtocolError(f"unknown message tag {raw[0]!r}")
-        return codec.decode_fields(raw[1])  # type: ignore[no-any-return]
-
-
-def _refuse_ext(code: int, data: bytes) -> Any:
-    raise ProtocolError(f"msgpack ext type {code} not allowed")
+            raise ProtocolError(f"unknown message tag {tag!r}")
+        return codec.decode(fields)  # type: ignore[no-any-return]

@@ -1,7 +1,8 @@
 """Every message between the gateway and a worker, and the protocol's codec.
 
-Imported by the gateway and by every worker; declares only inter-process structs (the fields of
-each once, in wire order) and `PROTOCOL`, the codec that knows them all. Requests carry a `rid`
+Imported by the gateway and by every worker; declares only inter-process structs (msgspec Structs
+from wire.codec: the fields of each once, in wire order) and `PROTOCOL`, the codec that knows them
+all. Requests carry a `rid`
 (one engine job, or one tokenize exchange); a worker answers Generate with Accepted or Rejected
 before any Step mentions the job, so the gateway can answer an HTTP error before a stream opens.
 
@@ -12,10 +13,9 @@ worker -> gateway: Hello, Status, Ready, Accepted, Rejected, Tokens, Embeddings,
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import ClassVar
 
-from wire.codec import Codec, Message
+from wire.codec import Codec, Count, Finite, Message
 from wire.params import ChatMessage, ChatOptions, SamplingParams
 from wire.results import AbortReason, JobOutput, RejectCode
 from wire.states import WorkerState
@@ -27,8 +27,7 @@ PROTOCOL_VERSION = 3
 # ---- gateway -> worker -------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class Generate(Message):
+class Generate(Message, frozen=True):
     """Start one job. Exactly one of prompt, prompt_token_ids, messages is set."""
 
     rid: str
@@ -39,20 +38,18 @@ class Generate(Message):
     chat: ChatOptions | None = None  # with messages: tools and the template's switches
     TAG: ClassVar[str] = "gen"
 
-    def check(self) -> None:
+    def __post_init__(self) -> None:
         given = sum(x is not None for x in (self.prompt, self.prompt_token_ids, self.messages))
         if given != 1:
             raise ValueError("exactly one of prompt, prompt_token_ids, messages must be set")
 
 
-@dataclass(frozen=True, slots=True)
-class Cancel(Message):
+class Cancel(Message, frozen=True):
     rid: str
     TAG: ClassVar[str] = "cancel"
 
 
-@dataclass(frozen=True, slots=True)
-class Tokenize(Message):
+class Tokenize(Message, frozen=True):
     """Tokenize a prompt, or chat messages rendered with the model's template; answered by Tokens."""
 
     rid: str
@@ -63,15 +60,13 @@ class Tokenize(Message):
     TAG: ClassVar[str] = "tok"
 
 
-@dataclass(frozen=True, slots=True)
-class Detokenize(Message):
+class Detokenize(Message, frozen=True):
     rid: str
     token_ids: list[int]
     TAG: ClassVar[str] = "detok"
 
 
-@dataclass(frozen=True, slots=True)
-class Embed(Message):
+class Embed(Message, frozen=True):
     """Embed texts or token-id inputs (exactly one is set) with an embedding model; answered by
     Embeddings, one vector per input in order. The worker batches the inputs of every Embed it has."""
 
@@ -80,21 +75,19 @@ class Embed(Message):
     token_ids: list[list[int]] | None
     TAG: ClassVar[str] = "embed"
 
-    def check(self) -> None:
+    def __post_init__(self) -> None:
         if (self.texts is None) == (self.token_ids is None):
             raise ValueError("exactly one of texts, token_ids must be set")
 
 
-@dataclass(frozen=True, slots=True)
-class Shutdown(Message):
+class Shutdown(Message, frozen=True):
     """Stop accepting jobs, abort what is left after `grace_s`, then exit."""
 
-    grace_s: float
+    grace_s: Finite
     TAG: ClassVar[str] = "shutdown"
 
 
-@dataclass(frozen=True, slots=True)
-class Reintroduce(Message):
+class Reintroduce(Message, frozen=True):
     """The gateway does not know this worker (it restarted): send Hello, and Ready if ready."""
 
     TAG: ClassVar[str] = "reintro"
@@ -103,9 +96,9 @@ class Reintroduce(Message):
 # ---- worker -> gateway -------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class Hello(Message):
-    """First frame from a worker: who it is and which protocol it speaks."""
+class Hello(Message, frozen=True):
+    """First frame from a worker: who it is and which protocol it speaks. Its fields never change
+    between protocol versions, so a gateway reads any worker's version and refuses a mismatch."""
 
     version: int
     worker_id: str
@@ -113,39 +106,35 @@ class Hello(Message):
     TAG: ClassVar[str] = "hello"
 
 
-@dataclass(frozen=True, slots=True)
-class Status(Message):
+class Status(Message, frozen=True):
     """Lifecycle progress: loading or warming (progress in [0, 1] or None), or draining; `stopped` is a
     worker's last frame before its process exits, so the gateway need not wait for a heartbeat timeout."""
 
     state: WorkerState
     detail: str
-    progress: float | None
+    progress: Finite | None
     TAG: ClassVar[str] = "status"
 
 
-@dataclass(frozen=True, slots=True)
-class Ready(Message):
+class Ready(Message, frozen=True):
     """Model loaded and warmed up."""
 
     info: EngineInfo
     pid: int
-    load_s: float
-    warmup_s: float
+    load_s: Finite
+    warmup_s: Finite
     chat_template: bool
     tokenizer: TokenizerInfo | None = None
     TAG: ClassVar[str] = "ready"
 
 
-@dataclass(frozen=True, slots=True)
-class Accepted(Message):
+class Accepted(Message, frozen=True):
     rid: str
-    prompt_tokens: int
+    prompt_tokens: Count
     TAG: ClassVar[str] = "acc"
 
 
-@dataclass(frozen=True, slots=True)
-class Rejected(Message):
+class Rejected(Message, frozen=True):
     """The request was refused before it started."""
 
     rid: str
@@ -155,8 +144,7 @@ class Rejected(Message):
     TAG: ClassVar[str] = "rej"
 
 
-@dataclass(frozen=True, slots=True)
-class Tokens(Message):
+class Tokens(Message, frozen=True):
     """The answer to Tokenize or Detokenize: the ids and the text they stand for."""
 
     rid: str
@@ -165,26 +153,23 @@ class Tokens(Message):
     TAG: ClassVar[str] = "toks"
 
 
-@dataclass(frozen=True, slots=True)
-class Embeddings(Message):
+class Embeddings(Message, frozen=True):
     """The answer to Embed: one vector per input, and the tokens they took."""
 
     rid: str
-    vectors: list[list[float]]
-    prompt_tokens: int
+    vectors: list[list[Finite]]
+    prompt_tokens: Count
     TAG: ClassVar[str] = "embs"
 
 
-@dataclass(frozen=True, slots=True)
-class Step(Message):
+class Step(Message, frozen=True):
     """Every active job's new output from one generator step, in one frame."""
 
     outputs: list[JobOutput]
     TAG: ClassVar[str] = "step"
 
 
-@dataclass(frozen=True, slots=True)
-class JobsAborted(Message):
+class JobsAborted(Message, frozen=True):
     """The worker ended these unfinished jobs itself (its drain grace ran out)."""
 
     rids: list[str]
@@ -193,8 +178,7 @@ class JobsAborted(Message):
     TAG: ClassVar[str] = "aborted"
 
 
-@dataclass(frozen=True, slots=True)
-class Heartbeat(Message):
+class Heartbeat(Message, frozen=True):
     """Liveness, the worker's own state, and its engine's load figures."""
 
     state: WorkerState
@@ -202,8 +186,7 @@ class Heartbeat(Message):
     TAG: ClassVar[str] = "hb"
 
 
-@dataclass(frozen=True, slots=True)
-class Fatal(Message):
+class Fatal(Message, frozen=True):
     """The worker hit an unrecoverable error and is about to exit."""
 
     message: str

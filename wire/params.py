@@ -1,41 +1,42 @@
 """What the gateway asks of a worker: sampling parameters, chat messages and the worker's spec.
 
 Imported by the gateway (which builds these at the API edge, already validated and normalized) and
-by the worker (which receives them in Generate and on its command line). Plain dataclasses; the
-codec in wire.codec derives their wire form and validation from the type hints.
+by the worker (which receives them in Generate and on its command line). The structs that travel in
+frames are wire.codec Structs, whose wire form and validation msgspec derives from the type hints;
+`WorkerSpec` never travels in a frame (it is JSON on the worker's command line) and is a dataclass.
 """
 
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
-_FINITE_FIELDS = ("temperature", "top_p", "min_p", "typical_p", "repetition_penalty")
+import msgspec
+
+from wire.codec import Finite, Struct, check_plain
 
 
-@dataclass(frozen=True, slots=True)
-class SamplingParams:
+class SamplingParams(Struct, frozen=True):
     """Everything the engine needs to run one job; already validated and normalized at the API edge."""
 
     max_tokens: int = 256
-    temperature: float = 1.0
-    top_p: float = 1.0
+    temperature: Finite = 1.0
+    top_p: Finite = 1.0
     top_k: int = 0
-    min_p: float = 0.0
-    typical_p: float = 1.0
-    repetition_penalty: float = 1.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
+    min_p: Finite = 0.0
+    typical_p: Finite = 1.0
+    repetition_penalty: Finite = 1.0
+    frequency_penalty: Finite = 0.0
+    presence_penalty: Finite = 0.0
     seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
+    stop: list[str] = []
+    stop_token_ids: list[int] = []
     ignore_eos: bool = False
     min_tokens: int = 0
     # None: no logprobs. 0: logprob of the chosen token only. k > 0: also the top k alternatives.
     logprobs: int | None = None
-    logit_bias: dict[int, float] = field(default_factory=dict)
+    logit_bias: dict[int, Finite] = {}
     # Structured output: json_object asks for any JSON object; json_schema (JSON text) for one
     # matching that schema. Engines enforce it by constrained decoding.
     json_object: bool = False
@@ -48,28 +49,17 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     # Strings that must never appear in the output (TabbyAPI's banned_strings).
-    banned_strings: list[str] = field(default_factory=list)
+    banned_strings: list[str] = []
     # Words whose token sequences must never be generated (vLLM's bad_words).
-    bad_words: list[str] = field(default_factory=list)
+    bad_words: list[str] = []
     # When non-empty, the only token ids that may be generated (vLLM's allowed_token_ids).
-    allowed_token_ids: list[int] = field(default_factory=list)
-
-    def check(self) -> None:
-        """Called by the codec after decoding: what the types alone do not say."""
-        for name in _FINITE_FIELDS:
-            if not math.isfinite(getattr(self, name)):
-                raise ValueError(f"{name} is not finite")
+    allowed_token_ids: list[int] = []
 
     def with_seed(self, seed: int | None) -> SamplingParams:
-        return SamplingParams(**{**_as_kwargs(self), "seed": seed})
+        return msgspec.structs.replace(self, seed=seed)
 
 
-def _as_kwargs(params: SamplingParams) -> dict[str, Any]:
-    return {name: getattr(params, name) for name in SamplingParams.__dataclass_fields__}
-
-
-@dataclass(frozen=True, slots=True)
-class ToolCall:
+class ToolCall(Struct, frozen=True):
     """A function call an assistant made earlier in the conversation; `arguments` is JSON text."""
 
     id: str
@@ -77,14 +67,13 @@ class ToolCall:
     arguments: str
 
 
-@dataclass(frozen=True, slots=True)
-class ChatMessage:
+class ChatMessage(Struct, frozen=True):
     """One chat message as the model's chat template sees it (content already one string)."""
 
     role: str
     content: str
     name: str | None = None
-    tool_calls: list[ToolCall] = field(default_factory=list)
+    tool_calls: list[ToolCall] = []
     tool_call_id: str | None = None
 
     def for_template(self) -> dict[str, Any]:
@@ -111,13 +100,15 @@ def _arguments_for_template(arguments: str) -> Any:
         return arguments
 
 
-@dataclass(frozen=True, slots=True)
-class ToolSpec:
+class ToolSpec(Struct, frozen=True):
     """A function the model may call, as chat templates and constrained decoding see it."""
 
     name: str
     description: str | None
     parameters: dict[str, Any]
+
+    def __post_init__(self) -> None:
+        check_plain(self.parameters, "parameters")
 
     def for_template(self) -> dict[str, Any]:
         # OpenAI's key order (templates write tools with tojson, so the order is in the prompt).
@@ -128,17 +119,17 @@ class ToolSpec:
         return {"type": "function", "function": function}
 
 
-@dataclass(frozen=True, slots=True)
-class ChatOptions:
+class ChatOptions(Struct, frozen=True):
     """How the worker renders chat messages: tools for the template and the template's switches."""
 
-    tools: list[ToolSpec] = field(default_factory=list)
+    tools: list[ToolSpec] = []
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     # Extra variables for the template (vLLM's chat_template_kwargs), e.g. enable_thinking.
-    template_kwargs: dict[str, Any] = field(default_factory=dict)
+    template_kwargs: dict[str, Any] = {}
 
-    def check(self) -> None:
+    def __post_init__(self) -> None:
+        check_plain(self.template_kwargs, "template_kwargs")
         if self.add_generation_prompt and self.continue_final_message:
             raise ValueError("add_generation_prompt and continue_final_message exclude each other")
 

@@ -8,7 +8,8 @@ reasons are enums, usage is a struct, and an abort is its own message, never a f
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+
+from wire.codec import Count, Finite, Struct
 
 
 class FinishReason(str, enum.Enum):
@@ -40,33 +41,26 @@ class RejectCode(str, enum.Enum):
     SHUTTING_DOWN = "service_unavailable"  # the worker is draining: a server condition, not the client's
 
 
-@dataclass(frozen=True, slots=True)
-class Usage:
+class Usage(Struct, frozen=True):
     """A finished job's token counts and engine-side timings (seconds)."""
 
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int = 0
-    queue_s: float = 0.0
-    prefill_s: float = 0.0
-    decode_s: float = 0.0
+    prompt_tokens: Count
+    completion_tokens: Count
+    cached_tokens: Count = 0
+    queue_s: Finite = 0.0
+    prefill_s: Finite = 0.0
+    decode_s: Finite = 0.0
     accepted_draft_tokens: int = 0
     rejected_draft_tokens: int = 0
 
-    def check(self) -> None:
-        if min(self.prompt_tokens, self.completion_tokens, self.cached_tokens) < 0:
-            raise ValueError("token counts must not be negative")
 
-
-@dataclass(frozen=True, slots=True)
-class TopLogprob:
+class TopLogprob(Struct, frozen=True):
     token: str
     token_id: int
-    logprob: float
+    logprob: Finite
 
 
-@dataclass(frozen=True, slots=True)
-class TokenLogprob:
+class TokenLogprob(Struct, frozen=True):
     """One token's log-probability and, when asked for, its most likely alternatives.
 
     `logprob` is None only for a prompt's first token, which has no context to be scored in.
@@ -75,13 +69,12 @@ class TokenLogprob:
 
     token: str
     token_id: int
-    logprob: float | None
+    logprob: Finite | None
     top: list[TopLogprob]
     rank: int | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class JobOutput:
+class JobOutput(Struct, frozen=True):
     """One job's progress in one generator step. `usage` is set on the job's last output, the one
     with a `finish_reason`. `logprobs`, when asked for, has one entry per id in `token_ids`.
     `prompt_logprobs`, when asked for, comes on the job's first output: one entry per prompt token

@@ -6,11 +6,15 @@ engine reports the same shapes; a figure an engine does not have keeps its defau
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import sys
+from typing import Annotated
+
+from msgspec import Meta
+
+from wire.codec import Count, Struct
 
 
-@dataclass(frozen=True, slots=True)
-class DeviceInfo:
+class DeviceInfo(Struct, frozen=True):
     """One GPU as the worker sees it; `visible_as` is the host's index it was pinned to."""
 
     index: int
@@ -21,8 +25,7 @@ class DeviceInfo:
     memory_total_mib: int = 0
 
 
-@dataclass(frozen=True, slots=True)
-class EngineInfo:
+class EngineInfo(Struct, frozen=True):
     """The engine's limits and set-up, sent once in Ready."""
 
     engine: str
@@ -41,41 +44,29 @@ class EngineInfo:
     configured_max_batch_size: int = 0
 
 
-@dataclass(frozen=True, slots=True)
-class EngineStats:
+class EngineStats(Struct, frozen=True):
     """Load figures in every heartbeat. `steps` counts generator steps of every kind, prefill
     included; `active_jobs` and `queued_jobs` are the jobs the engine actually holds."""
 
-    active_jobs: int = 0
-    queued_jobs: int = 0
-    steps: int = 0
-    generated_tokens: int = 0
-    jobs_finished: int = 0
-    jobs_cancelled: int = 0
-    jobs_per_step: float = 0.0
-    kv_cache_usage_ratio: float = 0.0
-    cache_pages_total: int = 0  # 0 when the engine does not page its cache
-    cache_pages_free: int = 0
+    active_jobs: Count = 0
+    queued_jobs: Count = 0
+    steps: Count = 0
+    generated_tokens: Count = 0
+    jobs_finished: Count = 0
+    jobs_cancelled: Count = 0
+    jobs_per_step: Annotated[float, Meta(ge=0.0, le=sys.float_info.max)] = 0.0
+    kv_cache_usage_ratio: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.0
+    cache_pages_total: Count = 0  # 0 when the engine does not page its cache
+    cache_pages_free: Count = 0
     # Device-wide memory in use, keyed by the host's GPU index.
-    gpu_memory_used_bytes: dict[str, int] = field(default_factory=dict)
+    gpu_memory_used_bytes: dict[str, Count] = {}
 
-    def check(self) -> None:
-        counts = (
-            self.active_jobs, self.queued_jobs, self.steps, self.generated_tokens,
-            self.jobs_finished, self.jobs_cancelled, self.cache_pages_total, self.cache_pages_free,
-        )  # fmt: skip
-        if min(counts) < 0 or self.jobs_per_step < 0:
-            raise ValueError("counts must not be negative")
-        if not 0.0 <= self.kv_cache_usage_ratio <= 1.0:
-            raise ValueError("kv_cache_usage_ratio must be within [0, 1]")
+    def __post_init__(self) -> None:
         if self.cache_pages_free > self.cache_pages_total:
             raise ValueError("more free cache pages than pages")
-        if any(v < 0 for v in self.gpu_memory_used_bytes.values()):
-            raise ValueError("memory must not be negative")
 
 
-@dataclass(frozen=True, slots=True)
-class TokenizerInfo:
+class TokenizerInfo(Struct, frozen=True):
     """The model's tokenizer as clients see it (vLLM's /tokenizer_info), sent once in Ready."""
 
     tokenizer_class: str = ""

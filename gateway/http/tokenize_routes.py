@@ -11,7 +11,6 @@ go through the one serving path's exchange owner, so a drain or a reload sees th
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -26,6 +25,7 @@ from gateway.http.serving_path import serve_exchange
 from gateway.serving.router import ModelRoute
 from gateway.tools.plan import tool_specs
 from wire import messages as wire
+from wire.codec import as_dict
 from wire.params import ChatOptions
 
 blueprint = Blueprint("tokenize", __name__)
@@ -116,4 +116,4 @@ async def tokenizer_info() -> Any:
     ready = next((r.ready_message for r in route.replicas if r.ready and r.ready_message), None)
     if ready is None or ready.tokenizer is None:
         raise ServiceUnavailable(f"model '{route.config.name}' is not ready yet")
-    return jsonify(dataclasses.asdict(ready.tokenizer))
+    return jsonify(as_dict(ready.tokenizer))

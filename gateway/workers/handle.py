@@ -8,7 +8,6 @@ The supervisor and remote membership drive handles; the router reads them.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -17,6 +16,7 @@ from typing import Any
 from gateway.config.registry import ModelConfig
 from gateway.workers.step_watch import StepWatch
 from wire import messages as wire
+from wire.codec import as_dict
 from wire.states import InvalidTransition, WorkerState, check_transition
 from wire.stats import EngineInfo, EngineStats
 
@@ -119,9 +119,9 @@ class WorkerHandle:
             "key": self.key_name,
             "last_error": self.last_error,
             "uptime_s": round(now - self.ready_at, 1) if self.ready_at and self.ready else None,
-            "info": dataclasses.asdict(self.info) if self.info is not None else {},
+            "info": as_dict(self.info) if self.info is not None else {},
             "load_s": ready.load_s if ready else None,
             "warmup_s": ready.warmup_s if ready else None,
             "chat_template": ready.chat_template if ready else None,
-            "stats": dataclasses.asdict(self.stats),
+            "stats": as_dict(self.stats),
         }

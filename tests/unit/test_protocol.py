@@ -3,6 +3,8 @@ the import rule (the wire package imports neither process, nor torch or Quart)."
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import pickle
 import subprocess
 import sys
@@ -12,7 +14,7 @@ import pytest
 
 from tests.harness import REPO_ROOT
 from wire import messages as wire
-from wire.codec import MAX_FRAME_BYTES, ProtocolError, from_plain, to_plain
+from wire.codec import MAX_FRAME_BYTES, ProtocolError, as_dict, from_plain, to_plain
 from wire.params import ChatMessage, ChatOptions, SamplingParams, ToolCall, ToolSpec, WorkerSpec
 from wire.results import (
     AbortReason,
@@ -104,43 +106,89 @@ def test_leaves_decode_to_their_types() -> None:
 
 def test_trailing_defaults_may_be_left_out_but_extra_fields_never_pass() -> None:
     assert from_plain(Usage, [3, 1]) == Usage(3, 1)
-    with pytest.raises(ProtocolError, match="fields"):
+    with pytest.raises(ProtocolError, match="at most length 8"):
         from_plain(Usage, [3, 1, 0, 0.0, 0.0, 0.0, 0, 0, 99])
-    with pytest.raises(ProtocolError, match="fields"):
+    with pytest.raises(ProtocolError, match="at least length 2"):
         from_plain(Usage, [3])
 
 
-def test_worker_spec_round_trip() -> None:
+def test_frames_keep_the_layout_of_protocol_version_3() -> None:
+    """[tag, [field, ...]] with nested structs as arrays: a frame written field by field with plain
+    msgpack (as the previous codec wrote it) decodes to the same message, and back."""
+    output = ["r", "Hi", [5, 6], "stop", [3, 2, 0, 0.5, 0.0, 0.0, 0, 0], None, None]
+    message = wire.decode(msgpack.packb(["step", [[output]]]))
+    assert message == wire.Step([JobOutput("r", "Hi", [5, 6], FinishReason.STOP, Usage(3, 2, queue_s=0.5))])
+    assert msgpack.unpackb(wire.encode(message)) == ["step", [[output]]]
+    # An older worker's Hello still reads as one, so the gateway can refuse its version by name.
+    assert wire.decode(msgpack.packb(["hello", [2, "old#0", 7]])) == wire.Hello(2, "old#0", 7)
+
+
+def test_worker_spec_travels_as_json_on_the_command_line() -> None:
     spec = WorkerSpec("m", "transformers", "/models/m", 2048, {"threads": 1, "nested": {"a": [1.5]}})
-    assert from_plain(WorkerSpec, to_plain(spec)) == spec
+    assert WorkerSpec(**json.loads(json.dumps(dataclasses.asdict(spec)))) == spec
+
+
+def test_as_dict_names_every_field_down_to_the_leaves() -> None:
+    device = {"index": 0, "visible_as": "cpu", "name": "cpu", "uuid": "", "memory_used_mib": 0,
+              "memory_total_mib": 0}  # fmt: skip
+    assert as_dict(INFO)["devices"] == [device]
+    assert as_dict(EngineStats(steps=3))["steps"] == 3
 
 
 @pytest.mark.parametrize(
     ("raw", "match"),
     [
-        (["cancel", [5]], "str expected"),
-        (["acc", ["r", True]], "int expected"),
+        (["cancel", [5]], r"Cancel\.rid: Expected `str`, got `int`"),
+        (["acc", ["r", True]], r"Accepted\.prompt_tokens: Expected `int`, got `bool`"),
+        (["acc", ["r", -1]], r"Accepted\.prompt_tokens: Expected `int` >= 0"),
         (["gen", ["r", None, None, None, to_plain(SamplingParams())]], "exactly one"),
-        (["gen", ["r", "p", None, None, [256, float("nan")]]], "not finite"),
+        (
+            ["gen", ["r", "p", None, None, [256, float("nan")]]],
+            r"Generate\.params\.temperature: Expected a finite number",
+        ),
+        (["gen", ["r", "p", None, None, [256, 1.0, 1.0, 0, 0.0, 1.0, float("inf")]]], "repetition_penalty"),
         (
             ["gen", ["r", "p", None, None, [256, 1.0, 1.0, 0, 0.0, 1.0, 1.0, 0.0, 0.0, None, [1]]]],
-            "str expected",
+            r"Generate\.params\.stop\[0\]: Expected `str`, got `int`",
         ),
-        (["status", ["booting", "", None]], "not a WorkerState"),
-        (["rej", ["r", "made_up_code", "m", None]], "not a RejectCode"),
-        (["hb", ["ready", [-1]]], "negative"),
-        (["hb", ["ready", ["x"]]], "int expected"),
-        (["hb", ["ready", [0, 0, 0, 0, 0, 0, 0.0, 1.5]]], "within"),
-        (["step", [[["r", "t", [1], "maybe"]]]], "not a FinishReason"),
-        (["step", [[["r", "t", [True]]]]], "int expected"),
-        (["step", [[["r", "t"]]]], "fields"),
+        (["gen", ["r", None, None, [["user", "hi", None, [["c", "f"]]]], [1]]], r"messages\[0\]\.tool_calls"),
+        (["status", ["booting", "", None]], r"Status\.state: Invalid enum value 'booting'"),
+        (["rej", ["r", "made_up_code", "m", None]], r"Rejected\.code: Invalid enum value"),
+        (["hb", ["ready", [-1]]], r"Heartbeat\.stats\.active_jobs: Expected `int` >= 0"),
+        (["hb", ["ready", ["x"]]], r"Heartbeat\.stats\.active_jobs: Expected `int`, got `str`"),
+        (["hb", ["ready", [0, 0, 0, 0, 0, 0, 0.0, 1.5]]], r"kv_cache_usage_ratio: Expected `float` <= 1\.0"),
+        (["hb", ["ready", [0, 0, 0, 0, 0, 0, 0.0, 0.5, 1, 2]]], "more free cache pages than pages"),
+        (["step", [[["r", "t", [1], "maybe"]]]], r"Step\.outputs\[0\]\.finish_reason: Invalid enum value"),
+        (["step", [[["r", "t", [True]]]]], r"Step\.outputs\[0\]\.token_ids\[0\]: Expected `int`, got `bool`"),
+        (["step", [[["r", "t"]]]], "at least length 3"),
+        (
+            ["embs", ["e", [[0.5, float("nan")]], 2]],
+            r"Embeddings\.vectors\[0\]\[1\]: Expected a finite number",
+        ),
+        (
+            ["tok", ["t", None, None, True, [[["f", None, {"a": {"b": float("inf")}}]]]]],
+            "parameters: not finite",
+        ),
+        (["tok", ["t", None, None, True, [[], True, False, {"k": {1: "x"}}]]], "template_kwargs: map keys"),
         (["nope", []], "unknown message tag"),
-        ({"tag": "gen"}, "not \\[tag, fields\\]"),
+        ({"tag": "gen"}, r"not \[tag, fields\]"),
+        (["cancel"], r"not \[tag, fields\]"),
     ],
 )
 def test_bad_values_are_refused_with_the_field_named(raw: object, match: str) -> None:
     with pytest.raises(ProtocolError, match=match):
         wire.decode(msgpack.packb(raw))
+
+
+def test_deeply_nested_data_is_refused() -> None:
+    deep: object = "x"
+    for _ in range(40):
+        deep = {"a": deep}
+    with pytest.raises(ProtocolError, match="nested too deeply"):
+        wire.decode(msgpack.packb(["tok", ["t", None, None, True, [[], True, False, {"k": deep}]]]))
+    very_deep = b"\x91" * 100_000 + b"\x01"  # an array in an array ... 100,000 deep
+    with pytest.raises(ProtocolError):
+        wire.decode(b"\x92\xa6cancel\x91" + very_deep)
 
 
 @pytest.mark.parametrize(
@@ -149,6 +197,8 @@ def test_bad_values_are_refused_with_the_field_named(raw: object, match: str) ->
         b"",
         b"\xc1garbage",
         msgpack.packb(["cancel", [msgpack.ExtType(1, b"x")]]),
+        msgpack.packb(["tok", ["t", None, None, True, [[], True, False, {"k": msgpack.ExtType(1, b"x")}]]]),
+        msgpack.packb(["cancel", ["r"]]) + b"trailing",
         pickle.dumps(wire.Cancel("r1")),
         pickle.dumps({"t": "cancel"}),
     ],
