@@ -15,9 +15,10 @@ that answers). The worker cannot switch a job's constraint or insert tokens mid-
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
+
+import msgspec
 
 from gateway.config.registry import ModelConfig
 from gateway.errors import InvalidRequest
@@ -74,4 +75,4 @@ def plan_reasoning(
 
 def replace_params(params: SamplingParams, **changes: Any) -> SamplingParams:
     """A copy of the (frozen) parameters with some fields changed."""
-    return dataclasses.replace(params, **changes)
+    return msgspec.structs.replace(params, **changes)
