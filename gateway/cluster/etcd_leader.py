@@ -25,7 +25,8 @@ from collections.abc import Callable
 
 import aetcd.exceptions
 
-from gateway.cluster.etcd_session import UNREACHABLE, EtcdSession, cancel_and_wait
+from gateway.cluster.etcd_session import UNREACHABLE, EtcdSession
+from gateway.cluster.membership import cancel_and_wait
 from gateway.cluster.settings import EtcdSettings
 
 logger = logging.getLogger(__name__)

@@ -21,8 +21,8 @@ from typing import Any
 import aetcd.exceptions
 from pydantic import ValidationError
 
-from gateway.cluster.etcd_session import UNREACHABLE, EtcdSession, cancel_and_wait
-from gateway.cluster.membership import MembershipChange, MemberTable, WorkerRecord
+from gateway.cluster.etcd_session import UNREACHABLE, EtcdSession
+from gateway.cluster.membership import MembershipChange, MemberTable, WorkerRecord, cancel_and_wait
 from gateway.cluster.registration import worker_key
 from gateway.cluster.settings import EtcdSettings
 

@@ -44,16 +44,6 @@ UNREACHABLE: tuple[type[BaseException], ...] = (
 )
 
 
-async def cancel_and_wait(task: asyncio.Task[Any]) -> None:
-    """Cancel `task` and wait for its end. Cancelled again until it ends: aetcd swallows a
-    CancelledError that lands while it shuts a watch stream down (watcher._terminate_stream)."""
-    while not task.done():
-        task.cancel()
-        await asyncio.wait({task}, timeout=0.1)
-    if not task.cancelled() and task.exception() is not None:
-        logger.debug("%s ended with %r", task.get_name(), task.exception())
-
-
 def prefix_end(prefix: bytes) -> bytes:
     """The end of the key range holding every key that starts with `prefix` (etcd's convention)."""
     return aetcd.utils.prefix_range_end(prefix)  # type: ignore[no-any-return]

@@ -15,7 +15,7 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import Literal, Protocol, TypeVar
+from typing import Any, Literal, Protocol, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -127,6 +127,16 @@ async def decide_once(leader: Leader, decision: str, action: Callable[[], Awaita
     if not leader.is_leader or not await leader.claim(decision):
         return None
     return await action()
+
+
+async def cancel_and_wait(task: asyncio.Task[Any]) -> None:
+    """Cancel `task` and wait for its end. Cancelled again until it ends: aetcd swallows a
+    CancelledError that lands while it shuts a watch stream down (watcher._terminate_stream)."""
+    while not task.done():
+        task.cancel()
+        await asyncio.wait({task}, timeout=0.1)
+    if not task.cancelled() and task.exception() is not None:
+        logger.debug("%s ended with %r", task.get_name(), task.exception())
 
 
 class MemberTable:

@@ -17,8 +17,8 @@ import asyncio
 import logging
 from collections.abc import Sequence
 
-from gateway.cluster.etcd_session import UNREACHABLE, EtcdSession, cancel_and_wait
-from gateway.cluster.membership import WorkerRecord
+from gateway.cluster.etcd_session import UNREACHABLE, EtcdSession
+from gateway.cluster.membership import WorkerRecord, cancel_and_wait
 
 logger = logging.getLogger(__name__)
 

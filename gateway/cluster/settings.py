@@ -89,7 +89,9 @@ class KubernetesSettings(_Strict):
     api_server: str | None = Field(
         None,
         pattern=r"^https?://",
-        description="API server URL. Unset: the pod's service account (in-cluster), else ~/.kube/config.",
+        description="API server URL reached without credentials, e.g. `kubectl proxy`'s "
+        "(http://127.0.0.1:8001). Unset: the pod's service account (in-cluster), else $KUBECONFIG or "
+        "~/.kube/config.",
     )
     namespace: str | None = Field(
         None,

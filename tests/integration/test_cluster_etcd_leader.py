@@ -23,8 +23,9 @@ import pytest
 from gateway.cluster.etcd_leader import EtcdLeader
 from gateway.cluster.membership import decide_once
 from gateway.cluster.settings import EtcdSettings
-from tests.etcd_server import EtcdServer, Relay
+from tests.etcd_server import EtcdServer
 from tests.harness import async_wait_until
+from tests.relay import Relay
 
 TTL_S = 3
 # etcd looks for expired leases every 500 ms; then the delete reaches the followers' watches.
