@@ -184,3 +184,26 @@ def test_the_table_emits_exactly_the_difference() -> None:
         ("leave", "qwen@host-1", "tcp://10.0.0.1:5555"),
         ("join", "qwen@host-9", "tcp://10.0.0.9:5555"),
     ]
+
+
+def test_the_backend_named_in_config_is_the_one_made() -> None:
+    from gateway.cluster.backends import identity, make_leader, make_membership
+    from gateway.cluster.etcd_leader import EtcdLeader
+    from gateway.cluster.etcd_membership import EtcdMembership
+    from gateway.cluster.k8s_leader import LeaseLeader
+    from gateway.cluster.k8s_membership import KubernetesMembership
+
+    etcd = ClusterConfig.model_validate(
+        {"backend": "etcd", "identity": "gw-a", "etcd": {"endpoints": ["e:2379"]}}
+    )
+    assert isinstance(make_membership(etcd), EtcdMembership)
+    leader = make_leader(etcd)
+    assert isinstance(leader, EtcdLeader) and leader.identity == "gw-a"
+    kubernetes = ClusterConfig.model_validate(
+        {"backend": "kubernetes", "kubernetes": {"api_server": "http://127.0.0.1:8001", "namespace": "ns"}}
+    )
+    assert isinstance(make_membership(kubernetes), KubernetesMembership)
+    assert isinstance(make_leader(kubernetes), LeaseLeader)
+    assert identity(kubernetes) != identity(
+        ClusterConfig.model_validate({"backend": "kubernetes", "identity": "x"})
+    )
