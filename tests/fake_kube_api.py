@@ -246,7 +246,7 @@ class FakeKubeApi:
 
         return app
 
-    async def _watch(self, selector: dict[str, str], args: Any) -> Any:
+    async def _watch(self, selector: dict[str, str | None], args: Any) -> Any:
         since = int(args.get("resourceVersion") or self.version)
         timeout_s = float(args.get("timeoutSeconds") or 1800)
         queue: asyncio.Queue[Event | None] = asyncio.Queue()
@@ -294,11 +294,17 @@ def _not_found(name: str) -> dict[str, Any]:
     return status(404, "NotFound", f'leases.coordination.k8s.io "{name}" not found')
 
 
-def _selector(text: str) -> dict[str, str]:
-    pairs = [part.split("=", 1) for part in text.split(",") if part]
-    return {key: value for key, value in pairs}
+def _selector(text: str) -> dict[str, str | None]:
+    """`key=value` (equality) and `key` (existence) terms, comma-separated."""
+    selector: dict[str, str | None] = {}
+    for part in filter(None, text.split(",")):
+        key, _, value = part.partition("=")
+        selector[key] = value if "=" in part else None
+    return selector
 
 
-def _selects(selector: dict[str, str], obj: dict[str, Any]) -> bool:
+def _selects(selector: dict[str, str | None], obj: dict[str, Any]) -> bool:
     labels = obj["metadata"].get("labels") or {}
-    return all(labels.get(key) == value for key, value in selector.items())
+    return all(
+        key in labels if value is None else labels.get(key) == value for key, value in selector.items()
+    )

@@ -103,7 +103,8 @@ def slice_workers(endpoint_slice: EndpointSlice, settings: KubernetesSettings) -
 class KubernetesMembership:
     def __init__(self, settings: KubernetesSettings, client: AsyncClient | None = None) -> None:
         self._settings = settings
-        self._selector: dict[str, Any] = dict(settings.worker_selector)
+        # Only Services that name their model (None: the label exists), not e.g. a governing Service.
+        self._selector: dict[str, Any] = {**settings.worker_selector, settings.model_label: None}
         self._client = client if client is not None else api_client(settings)
         self._owns_client = client is None
         self._slices: dict[str, dict[str, WorkerRecord]] = {}

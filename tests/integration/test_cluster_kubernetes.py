@@ -63,9 +63,13 @@ def test_workers_come_and_go_with_their_endpoint_slices() -> None:
                     not_ready=("llm-worker-qwen-2",), terminating=("llm-worker-qwen-3",),
                 )
             )  # fmt: skip
-            # Another deployment's slice, not matching the selector: never seen.
+            # Another deployment's slice, and the governing Service's (no model label): never seen.
             api.apply_slice(
                 endpoint_slice("other-xyz", "qwen2.5-7b", {"p-0": "10.9.9.9"}, labels={"app": "x"})
+            )
+            governing = {"app.kubernetes.io/component": "worker", "app.kubernetes.io/part-of": "llm-gateway"}
+            api.apply_slice(
+                endpoint_slice("llm-workers-k2", "qwen2.5-7b", {"p-1": "10.9.9.8"}, labels=governing)
             )
             membership = KubernetesMembership(settings(api.url))
             await membership.start()
@@ -116,7 +120,7 @@ def test_workers_come_and_go_with_their_endpoint_slices() -> None:
                 }
                 # The watch asked for the selector and resumed from the listing's resourceVersion.
                 (watch,) = [p for m, p, _ in api.requests if "watch=true" in p]
-                assert "labelSelector=" in watch and "resourceVersion=1002" in watch
+                assert "llm-gateway.io%2Fmodel" in watch and "resourceVersion=1003" in watch
             finally:
                 await membership.stop()
 
