@@ -1,0 +1,72 @@
+"""A real etcd for the cluster tests.
+
+Runs in the pytest process. `EtcdServer` starts Debian's etcd (package etcd-server; .ci/run
+installs it) on free loopback ports with a data folder under the test's temp dir, and can kill it
+(SIGKILL, as a crash) and start it again on the same ports and data.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.harness import free_port, wait_until
+
+
+class EtcdServer:
+    def __init__(self, folder: Path) -> None:
+        binary = shutil.which("etcd")
+        if binary is None:
+            if os.environ.get("CI"):
+                pytest.fail("etcd is missing: .ci/run installs Debian's etcd-server package")
+            pytest.skip("etcd is not installed (apt-get install etcd-server)")
+        self.binary = binary
+        self.folder = folder
+        self.client_port = free_port()
+        self.peer_port = free_port()
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def endpoint(self) -> str:
+        return f"127.0.0.1:{self.client_port}"
+
+    def start(self) -> None:
+        client, peer = f"http://127.0.0.1:{self.client_port}", f"http://127.0.0.1:{self.peer_port}"
+        args = [
+            self.binary, "--name", "test", "--data-dir", str(self.folder / "data"),
+            "--listen-client-urls", client, "--advertise-client-urls", client,
+            "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+            "--initial-cluster", f"test={peer}", "--initial-cluster-state", "new",
+            "--logger", "zap", "--log-outputs", "stderr",
+        ]  # fmt: skip
+        log = (self.folder / "etcd.log").open("ab")
+        self.process = subprocess.Popen(args, stdout=log, stderr=log)
+        log.close()
+        wait_until(self._healthy, "etcd to answer /health", context=self.log)
+
+    def _healthy(self) -> bool:
+        assert self.process is not None
+        if self.process.poll() is not None:
+            raise AssertionError(f"etcd exited with {self.process.returncode}:\n{self.log()}")
+        try:
+            response = httpx.get(f"http://127.0.0.1:{self.client_port}/health", timeout=1)
+        except httpx.HTTPError:
+            return False
+        return response.status_code == 200 and response.json().get("health") == "true"
+
+    def kill(self) -> None:
+        """SIGKILL: as a crash; the data folder stays for the next start."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGKILL)
+            self.process.wait(timeout=10)
+        self.process = None
+
+    def log(self) -> str:
+        path = self.folder / "etcd.log"
+        return path.read_text(errors="replace") if path.exists() else ""
