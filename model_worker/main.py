@@ -35,6 +35,21 @@ def _die_with_parent() -> None:
         logger.warning("prctl(PR_SET_PDEATHSIG) unavailable; relying on the parent-pid watch")
 
 
+# torch's intra-op threads (OpenMP, MKL) in a GPU worker: one unless the model's `env` says otherwise.
+CPU_THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+def _one_cpu_thread_for_gpu_workers() -> None:
+    """A GPU worker's engine thread drives the generator from Python (exllamav3 runs one sampler
+    launch per job beyond a batch of 8); torch's intra-op thread pool only spins against it. An H200
+    worker as shipped ran 43 threads at 312% CPU and reached 0.5-0.6x the raw engine at 64 streams.
+    Must run before torch is imported; a CPU worker keeps its engine's `threads` setting."""
+    if not os.environ.get("CUDA_VISIBLE_DEVICES"):
+        return
+    for name in CPU_THREAD_VARIABLES:
+        os.environ.setdefault(name, "1")
+
+
 def _route_transformers_logs() -> None:
     """transformers writes through its own stderr handler, which would break JSON mode's one object
     per line; send its records through ours instead (only for workers that import it anyway)."""
@@ -127,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.gpus is not None:
         # Must precede any torch import (engines import torch lazily) or CUDA sees every GPU.
         os.environ["CUDA_VISIBLE_DEVICES"] = args.gpus
+    _one_cpu_thread_for_gpu_workers()
     if args.parent_pid is not None:  # spawned by a local gateway: never outlive it
         _die_with_parent()
     context.fields["model"] = spec.name

@@ -24,9 +24,11 @@ from model_worker.chat_template import ChatTemplate
 from model_worker.embedding_batch import EmbeddingBatch
 from model_worker.engines import registry
 from model_worker.engines.base import Engine, RequestRejected
+from model_worker.frame_sender import FrameSender
 from model_worker.handshake_watch import HandshakeWatch
 from model_worker.jobs import JobDesk
 from model_worker.prompts import PromptBuilder
+from model_worker.step_trace import StepTrace
 from model_worker.tokenizer_info import tokenizer_info
 from model_worker.warmup import warm_up, warm_up_embeddings
 from wire import messages as wire
@@ -39,6 +41,9 @@ from wire.stats import EngineInfo
 logger = logging.getLogger(__name__)
 
 LOADING_STATES = (WorkerState.STARTING, WorkerState.LOADING, WorkerState.WARMING)
+# How long a full send queue may wait for the gateway before the worker gives up (the gateway's
+# own heartbeat timeout, 30 s by default, has declared it lost by then).
+SEND_PATIENCE_S = 60.0
 
 
 class Worker:
@@ -72,6 +77,7 @@ class Worker:
         self._sock.setsockopt(zmq.RCVHWM, 10_000)
         # Linger so the final Fatal/Heartbeat frames are flushed when we exit.
         self._sock.setsockopt(zmq.LINGER, 2000)
+        self._sender = FrameSender(self._sock, patience_s=SEND_PATIENCE_S)
         self._handshake: HandshakeWatch | None = None
         if curve is not None:
             # (own public key, own secret key, the gateway's public key): encrypted, and the gateway
@@ -117,7 +123,7 @@ class Worker:
         except BaseException as exc:  # the engine's state is now unknown: report, then exit
             logger.error("fatal: %s", exc)
             logger.debug("fatal traceback:\n%s", traceback.format_exc())
-            self._send(wire.Fatal(f"{type(exc).__name__}: {exc}"))
+            self._sender.send_last(wire.encode(wire.Fatal(f"{type(exc).__name__}: {exc}")))
             return 1
         finally:
             self._close()
@@ -127,7 +133,7 @@ class Worker:
         """The last frame: the gateway learns at once that this process is gone (LINGER flushes it),
         instead of waiting for its heartbeat timeout. Sent from every exit; the fatal one included."""
         detail = "stopped on request" if self._stop_requested else "exiting"
-        self._send(wire.Status(WorkerState.STOPPED, detail, None))
+        self._sender.send_last(wire.encode(wire.Status(WorkerState.STOPPED, detail, None)))
 
     def _close(self) -> None:
         self._say_goodbye()
@@ -195,11 +201,21 @@ class Worker:
     def _serve(self) -> None:
         assert self.engine is not None
         engine = self.engine
+        jobs, embeddings = self.jobs, self.embeddings
+        assert jobs is not None and embeddings is not None
+        trace = StepTrace.from_environment()  # None unless GATEWAY_STEP_TRACE names a file
+        try:
+            self._loop(engine, jobs, embeddings, trace)
+        finally:
+            if trace is not None:
+                trace.close()
+
+    def _loop(
+        self, engine: Engine, jobs: JobDesk, embeddings: EmbeddingBatch, trace: StepTrace | None
+    ) -> None:
         last_heartbeat = 0.0
         interval_s = self.spec.heartbeat_interval_s
         idle_timeout_ms = int(interval_s * 1000)
-        jobs, embeddings = self.jobs, self.embeddings
-        assert jobs is not None and embeddings is not None
         while True:
             # Never block on the socket while jobs are active; block only when idle (and only
             # briefly while a job waits for its constraint to compile in the compiler process).
@@ -211,9 +227,17 @@ class Worker:
             if jobs.waiting:
                 jobs.settle()
             if engine.has_work():
+                if trace is not None:
+                    trace.before_step()
                 outputs = engine.step()
+                if trace is not None:
+                    trace.after_step(
+                        [(o.rid, len(o.token_ids), o.finish_reason is not None) for o in outputs]
+                    )
                 if outputs:
                     self._send(wire.Step(jobs.outputs(outputs)))
+                if trace is not None:
+                    trace.after_send()
             now = time.monotonic()
             if self._announce_draining:
                 self._announce_draining = False
@@ -306,9 +330,6 @@ class Worker:
     # ---- sending -------------------------------------------------------------------------------
 
     def _send(self, message: wire.Message) -> None:
-        try:
-            self._sock.send(wire.encode(message), zmq.NOBLOCK)
-        except zmq.Again:
-            # The gateway is not reading (gone or stalled); heartbeats and steps are droppable,
-            # and the gateway's liveness checks will notice.
-            logger.warning("send queue full; dropped %s", type(message).__name__)
+        # Never dropped: a Step can carry a job's end. A gateway that reads nothing for a heartbeat
+        # timeout makes this raise, which is fatal for the worker (model_worker.frame_sender).
+        self._sender.send(wire.encode(message))

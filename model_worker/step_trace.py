@@ -1,0 +1,128 @@
+"""A per-step trace of a generation loop: where each iteration's time goes, as JSON lines.
+
+Runs in the worker process (the serve loop) and in the benchmark's in-process paths, so both can be
+compared line by line. Off by default: it is on only when GATEWAY_STEP_TRACE names a file (set it in
+a model's registry `env`), and costs the loop one `is not None` test per iteration when off.
+
+Each line is one iteration that stepped the engine:
+  t           seconds since the trace started
+  step_ms     wall time of the engine step (exllama's iterate())
+  gpu_ms      GPU time between CUDA events recorded around the step (absent without CUDA)
+  outside_ms  wall time of the loop between the previous step's end and this step's start
+              (socket, admissions, encoding and sending frames, heartbeats)
+  send_ms     encoding and sending this step's frame
+  jobs        jobs that produced output in this step
+  tokens      tokens emitted in this step
+  first       jobs whose first token came in this step (their prefill finished)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Sequence
+from typing import IO, Any
+
+TRACE_VARIABLE = "GATEWAY_STEP_TRACE"
+
+
+class StepTrace:
+    def __init__(self, path: str) -> None:
+        self._file: IO[str] = open(path, "a", buffering=1 << 16)  # noqa: SIM115 (closed in close())
+        self._origin = time.perf_counter()
+        self._last_end: float | None = None
+        self._step_start = 0.0
+        self._step_end = 0.0
+        self._events: tuple[Any, Any] | None = None
+        self._torch: Any = None
+        try:
+            import torch
+
+            if torch.cuda.is_available():
+                self._torch = torch
+        except ImportError:
+            pass
+        self._pending: dict[str, Any] | None = None
+        self._started_jobs: set[Any] = set()  # jobs that have produced a token and not finished
+
+    @classmethod
+    def from_environment(cls) -> StepTrace | None:
+        path = os.environ.get(TRACE_VARIABLE)
+        return cls(path) if path else None
+
+    def before_step(self) -> None:
+        self._step_start = time.perf_counter()
+        if self._torch is not None:
+            start, end = (self._torch.cuda.Event(enable_timing=True) for _ in range(2))
+            start.record()
+            self._events = (start, end)
+
+    def after_step(self, outputs: Sequence[tuple[Any, int, bool]]) -> None:
+        """`outputs`: (job id, tokens emitted, finished) for each job with output in this step."""
+        self._step_end = time.perf_counter()
+        first_tokens = 0
+        for job, tokens, finished in outputs:
+            if tokens and job not in self._started_jobs:
+                first_tokens += 1
+                self._started_jobs.add(job)
+            if finished:
+                self._started_jobs.discard(job)
+        line: dict[str, Any] = {
+            "t": round(self._step_start - self._origin, 6),
+            "step_ms": round((self._step_end - self._step_start) * 1000, 3),
+            "outside_ms": None
+            if self._last_end is None
+            else round((self._step_start - self._last_end) * 1000, 3),
+            "jobs": len(outputs),
+            "tokens": sum(tokens for _, tokens, _ in outputs),
+            "first": first_tokens,
+        }
+        if self._events is not None:
+            start, end = self._events
+            end.record()
+            end.synchronize()  # the step has already read its tokens back: this waits for nothing
+            line["gpu_ms"] = round(start.elapsed_time(end), 3)
+        self._pending = line
+        self._last_end = self._step_end
+
+    def after_send(self) -> None:
+        """The step's frame is out (or there was none): write its line."""
+        if self._pending is None:
+            return
+        now = time.perf_counter()
+        self._pending["send_ms"] = round((now - self._step_end) * 1000, 3)
+        self._last_end = now
+        self._file.write(json.dumps(self._pending, separators=(",", ":")) + "\n")
+        self._pending = None
+
+    def close(self) -> None:
+        self.after_send()
+        self._file.close()
+
+
+def summarize(path: str) -> dict[str, Any]:
+    """Medians of a trace's lines, overall and by batch size (for the benchmark's report)."""
+    lines = [json.loads(line) for line in open(path) if line.strip()]
+    if not lines:
+        return {"steps": 0}
+
+    def median(values: list[Any]) -> float | None:
+        known = sorted(float(v) for v in values if v is not None)
+        return known[len(known) // 2] if known else None
+
+    def figures(rows: list[dict[str, Any]]) -> dict[str, Any]:
+        return {
+            "steps": len(rows),
+            "step_ms_p50": median([r["step_ms"] for r in rows]),
+            "gpu_ms_p50": median([r.get("gpu_ms") for r in rows]),
+            "outside_ms_p50": median([r["outside_ms"] for r in rows]),
+            "send_ms_p50": median([r.get("send_ms") for r in rows]),
+            "tokens_per_step": round(sum(r["tokens"] for r in rows) / len(rows), 2),
+        }
+
+    by_jobs: dict[int, list[dict[str, Any]]] = {}
+    for row in lines:
+        by_jobs.setdefault(row["jobs"], []).append(row)
+    busiest = max(by_jobs)
+    return {"all": figures(lines), "busiest": {"jobs": busiest, **figures(by_jobs[busiest])}}
