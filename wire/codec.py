@@ -193,6 +193,16 @@ def as_dict(obj: Any) -> Any:
 _FRAME = msgspec.msgpack.Decoder(tuple[str, msgspec.Raw], ext_hook=_refuse_ext)
 
 
+# What encoding a message can raise for a value its schema let through (an integer past 64 bits, a
+# lone surrogate): the sender's caller turns it into a refusal of the request, never a crash.
+ENCODE_ERRORS: tuple[type[Exception], ...] = (
+    OverflowError,
+    UnicodeEncodeError,
+    ValueError,
+    msgspec.EncodeError,
+)
+
+
 class Codec:
     """Encodes and decodes the frames of one set of message types (the protocol's)."""
 

@@ -52,6 +52,7 @@ from gateway.serving.continuation import continue_choice
 from gateway.serving.outputs import ChoiceInput, ChoiceOutput, Delta, usage_totals
 from gateway.serving.router import AdmissionStopped
 from wire import messages as wire
+from wire.codec import ENCODE_ERRORS
 from wire.params import SamplingParams
 from wire.results import AbortReason, FinishReason, JobOutput, RejectCode
 
@@ -260,7 +261,7 @@ class RequestOwner:
                                  choice.input.messages, choice.params, choice.input.chat)  # fmt: skip
         try:
             frame = wire.encode(generate)
-        except (OverflowError, UnicodeEncodeError, ValueError) as exc:
+        except ENCODE_ERRORS as exc:
             # Schemas bound what they can name; this catches what slipped through, as a 400.
             logger.warning("a request could not be encoded for its worker: %s", type(exc).__name__)
             raise InvalidRequest("a value in the request is out of range or is not text") from None

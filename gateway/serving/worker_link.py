@@ -27,12 +27,12 @@ import zmq
 import zmq.asyncio
 
 from gateway.config.registry import ConfigError, RemoteWorkersConfig
-from gateway.errors import APIError
+from gateway.errors import APIError, InvalidRequest
 from gateway.observability.logging_setup import RateLimitedLog
 from gateway.serving.listener_cap import ListenerCap
 from gateway.workers.remote_keys import AuthorizedKeys, WorkerKey, key_label
 from wire import messages as wire
-from wire.codec import MAX_SOCKET_MESSAGE_BYTES, ProtocolError
+from wire.codec import ENCODE_ERRORS, MAX_SOCKET_MESSAGE_BYTES, ProtocolError
 from wire.results import JobOutput
 
 logger = logging.getLogger(__name__)
@@ -250,10 +250,16 @@ class WorkerLink:
     ) -> Any:
         """Send a one-shot request and wait for its Tokens or Rejected; TimeoutError past timeout_s,
         the worker's failure (an APIError) if it dies meanwhile, False if it cannot be reached."""
+        try:
+            frame = wire.encode(message)
+        except ENCODE_ERRORS as exc:
+            # Schemas bound what they can name; this catches what slipped through, as a 400.
+            logger.warning("a request could not be encoded for its worker: %s", type(exc).__name__)
+            raise InvalidRequest("a value in the request is out of range or is not text") from None
         pending = _Exchange(worker_id, asyncio.get_running_loop().create_future())
         self._exchanges[message.rid] = pending
         try:
-            if not self.send(worker_id, message):
+            if not self.send_frame(worker_id, frame):
                 return False
             return await asyncio.wait_for(pending.reply, timeout_s)
         finally:
