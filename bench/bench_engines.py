@@ -32,6 +32,9 @@ sys.path.insert(0, str(REPO_ROOT))
 from bench.profiling import Profiler  # noqa: E402
 from bench.streams import Round, engine_round, http_round, raw_round, summarize  # noqa: E402
 from model_worker.engines.registry import create_engine  # noqa: E402
+from model_worker.main import CPU_THREAD_VARIABLES  # noqa: E402
+from model_worker.step_trace import TRACE_VARIABLE, StepTrace  # noqa: E402
+from model_worker.step_trace import summarize as trace_summary  # noqa: E402
 from tests.gpu.support import gateway_env, write_registry  # noqa: E402
 from tests.harness import GatewayProcess  # noqa: E402
 from wire.codec import as_dict  # noqa: E402
@@ -49,47 +52,122 @@ def settings(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def registry_entry(
-    name: str, engine: str, model: str, gpus: list[int], args: argparse.Namespace
+    name: str,
+    engine: str,
+    model: str,
+    gpus: list[int],
+    args: argparse.Namespace,
+    env: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     most = max(args.streams)
-    return {"name": name, "engine": engine, "path": model, "gpus": gpus, "max_seq_len": args.max_seq_len,
-            "engine_settings": settings(args),
-            "limits": {"max_concurrent_jobs": most, "max_queued_requests": 4 * most}}  # fmt: skip
+    entry = {"name": name, "engine": engine, "path": model, "gpus": gpus, "max_seq_len": args.max_seq_len,
+             "engine_settings": settings(args),
+             "limits": {"max_concurrent_jobs": most, "max_queued_requests": 4 * most}}  # fmt: skip
+    if env:
+        entry["env"] = env
+    return entry
 
 
 def gateway(config: Path, log: Path) -> GatewayProcess:
     return GatewayProcess(config, env=gateway_env(), ready_timeout=900, log_path=log)
 
 
+def process_threads(pid: int) -> int | None:
+    """The thread count of a process (a worker's, to check its CPU thread setting)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("Threads:"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def process_cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def measured(run: Any, pid: int | None) -> Round:
+    """One round, with the CPU seconds its worker process (if any) used meanwhile."""
+    before = process_cpu_s(pid) if pid else 0.0
+    done = run()
+    if pid:
+        done.worker_cpu_s = process_cpu_s(pid) - before
+    return done
+
+
 def run_overhead(args: argparse.Namespace, report: dict[str, Any]) -> None:
-    """Raw vs gateway (and optionally our engine in-process) at each concurrency, alternating
-    rounds; then logprobs vs none (gateway); then, with --py-spy, one profiled round of each."""
+    """Raw vs gateway (and optionally our engine in-process, a peer server, and both sides with
+    torch's default CPU threads) at each concurrency, alternating rounds; then logprobs vs none
+    (gateway); then, with --py-spy, one profiled round of each."""
+    import torch
+
+    default_threads = torch.get_num_threads()
     engine = create_engine(args.engine, args.model, args.max_seq_len, settings(args))
     engine.load(lambda detail, progress: None)
     report["info"] = {k: v for k, v in as_dict(engine.info()).items() if k != "devices"}
-    config = write_registry(
-        args.out_dir / "bench.yaml", [registry_entry("m", args.engine, args.model, [0], args)]
+    traces = {
+        name: StepTrace(str(args.out_dir / f"trace-{args.engine}-{name}.jsonl")) if args.trace else None
+        for name in ("raw", "engine")
+    }
+    worker_env = (
+        {TRACE_VARIABLE: str(args.out_dir / f"trace-{args.engine}-gateway.jsonl")} if args.trace else {}
     )
+    models = [registry_entry("m", args.engine, args.model, [0], args, worker_env)]
+    if args.compare_threads:  # the same model, as shipped before: torch's default intra-op threads
+        threads = {name: str(default_threads) for name in CPU_THREAD_VARIABLES}
+        models.append(registry_entry("m-threads", args.engine, args.model, [0], args, threads))
+    config = write_registry(args.out_dir / "bench.yaml", models)
+    report["settings"]["raw_threads"] = args.raw_threads
+    report["settings"]["torch_default_threads"] = default_threads
     with gateway(config, args.out_dir / f"bench-{args.engine}.log") as gw:
+        pids = {w["model"]: int(w["pid"]) for w in gw.workers()}
+        report["worker_threads"] = {name: process_threads(pid) for name, pid in pids.items()}
+
+        def raw(ids: list[list[int]], threads: int) -> Round:
+            torch.set_num_threads(threads)
+            try:
+                return raw_round(args.engine, engine, ids, args.new_tokens, traces["raw"])
+            finally:
+                torch.set_num_threads(args.raw_threads)
+
+        torch.set_num_threads(args.raw_threads)
         for count in args.streams:
             texts = prompts(count)
             ids = [engine.encode(text, True) for text in texts]
             run = {
-                "raw": partial(raw_round, args.engine, engine, ids, args.new_tokens),
-                "engine": partial(engine_round, engine, ids, args.new_tokens),
-                "gateway": partial(http_round, gw.url, "m", texts, args.new_tokens, None),
+                "raw": (partial(raw, ids, args.raw_threads), None),
+                "engine": (partial(engine_round, engine, ids, args.new_tokens, traces["engine"]), None),
+                "gateway": (partial(http_round, gw.url, "m", texts, args.new_tokens, None), pids.get("m")),
             }
-            paths = [path for path in run if path in args.paths]
+            if args.compare_threads:
+                run["raw, torch threads"] = (partial(raw, ids, default_threads), None)
+                run["gateway, torch threads"] = (
+                    partial(http_round, gw.url, "m-threads", texts, args.new_tokens, None),
+                    pids.get("m-threads"),
+                )
+            if args.peer:
+                run["peer"] = (
+                    partial(http_round, args.peer, args.peer_model, texts, args.new_tokens, None),
+                    None,
+                )
+            paths = [path for path in run if path.split(",")[0] in args.paths or path.startswith("peer")]
             rounds: dict[str, list[Round]] = {path: [] for path in paths}
             for path in paths:  # warm-up: this batch shape, once each
-                run[path]()
-            for _ in range(args.rounds):
+                run[path][0]()
+            for _ in range(args.rounds):  # interleaved: every path once per round
                 for path in paths:
-                    rounds[path].append(run[path]())
+                    rounds[path].append(measured(*run[path]))
             for path, done in rounds.items():
-                report["rows"].append({"path": path, "streams": count, **summarize(done)})
+                row = {"path": path, "streams": count, **summarize(done)}
+                worker_cpu = [r.worker_cpu_s for r in done if r.worker_cpu_s is not None]
+                if len(worker_cpu) == len(done):
+                    row["worker_cpu_pct"] = round(100 * sum(worker_cpu) / sum(r.seconds for r in done), 1)
+                report["rows"].append(row)
             args.save()  # after each level: a run cut short keeps what it measured
             print(f"bench: {count} streams done", flush=True)
+        report["worker_threads_after"] = {name: process_threads(pid) for name, pid in pids.items()}
         for count in args.logprob_streams:
             texts = prompts(count)
             http_round(gw.url, "m", texts, args.new_tokens, 1)
@@ -103,17 +181,25 @@ def run_overhead(args: argparse.Namespace, report: dict[str, Any]) -> None:
             print(f"bench: logprobs at {count} streams done", flush=True)
         if args.py_spy:
             profiler = Profiler(args.py_spy, args.out_dir / "profiles")
-            pids = {"worker": int(gw.workers()[0]["pid"]), "gateway": gw.pid}
+            spied = {"worker": pids["m"], "gateway": gw.pid}
             for count in args.streams[:: max(len(args.streams) - 1, 1)]:  # the first and last level
                 texts = prompts(count)
                 ids = [engine.encode(text, True) for text in texts]
                 with profiler.record(f"raw-{count}", {"bench": os.getpid()}):
                     raw_round(args.engine, engine, ids, args.new_tokens)
-                with profiler.record(f"gateway-{count}", pids):
+                with profiler.record(f"gateway-{count}", spied):
                     http_round(gw.url, "m", texts, args.new_tokens, None)
                 report["profiles"] = profiler.summaries
                 args.save()
         report["worker"] = gw.workers()[0]["info"]
+    for trace in traces.values():
+        if trace is not None:
+            trace.close()
+    if args.trace:
+        report["traces"] = {
+            path.stem: trace_summary(str(path))
+            for path in sorted(args.out_dir.glob(f"trace-{args.engine}-*.jsonl"))
+        }
     engine.close()
 
 
@@ -175,17 +261,20 @@ def targets(rows: list[dict[str, Any]]) -> list[tuple[str, str, bool]]:
 
 
 HEADER = (
-    "| path | streams | tok/s total | tok/s per stream | TTFT p50 / p99 ms | token gap p50 / p99 ms "
-    "| step p50 / p99 ms | tokens per chunk |\n|---|---|---|---|---|---|---|---|"
+    "| path | streams | tok/s total (min-max) | tok/s per stream | TTFT p50 / p99 ms "
+    "| token gap p50 / p99 ms | step p50 / p99 ms | tokens per chunk | client CPU us/token | worker CPU % |"
+    "\n|---|---|---|---|---|---|---|---|---|---|"
 )
 
 
 def row_line(r: dict[str, Any]) -> str:
     steps = f"{r['step_ms_p50']:.1f} / {r['step_ms_p99']:.1f}" if r["step_ms_p50"] is not None else "-"
+    spread = f" ({r['tok_s_total_min']:.0f}-{r['tok_s_total_max']:.0f})" if "tok_s_total_min" in r else ""
     return (
-        f"| {r['path']} | {r['streams']} | {r['tok_s_total']:.1f} | {r['tok_s_per_stream']:.1f} "
+        f"| {r['path']} | {r['streams']} | {r['tok_s_total']:.1f}{spread} | {r['tok_s_per_stream']:.1f} "
         f"| {r['ttft_ms_p50']:.1f} / {r['ttft_ms_p99']:.1f} | {r['gap_ms_p50']:.1f} / {r['gap_ms_p99']:.1f} "
-        f"| {steps} | {r['tokens_per_chunk'] or '-'} |"
+        f"| {steps} | {r['tokens_per_chunk'] or '-'} | {r.get('client_cpu_us_per_token') or '-'} "
+        f"| {r.get('worker_cpu_pct', '-')} |"
     )
 
 
@@ -194,7 +283,7 @@ def markdown(report: dict[str, Any]) -> str:
     lines = [
         f"{report['device']} | {report['date']} | {report['engine']} {versions['engine']} | "
         f"torch {versions['torch']} | {Path(report['model']).name} | greedy, {report['new_tokens']} new "
-        f"tokens, median of {report['rounds']} rounds",
+        f"tokens, median of {report['rounds']} interleaved rounds (spread: min-max of the rounds)",
         "",
         HEADER,
         *(row_line(r) for r in report["rows"] + report["logprobs"]),
@@ -218,6 +307,10 @@ def markdown(report: dict[str, Any]) -> str:
         target = f"mixed registry: {m['model']}, {m['streams']} streams, other model busy >= 0.95 x alone"
         measured = f"{m['together']['tok_s_total']:.1f} vs {m['alone']['tok_s_total']:.1f}: {m['ratio']:.3f}"
         lines.append(f"| {target} | {measured} | {met} |")
+    if "worker_threads" in report:
+        lines.append(f"| worker threads (model: count) | {report['worker_threads']} | - |")
+    for name, summary in report.get("traces", {}).items():
+        lines.append(f"| step trace {name} | {summary} | - |")
     for label, summary in report.get("profiles", {}).items():
         busy = summary.get("samples", 0) - summary.get("idle", 0)
         top = "; ".join(f"{frame.split(' (')[0]} {pct}%" for frame, pct in summary.get("self_pct", [])[:6])
@@ -232,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--streams", default="1,4,16,64", help="concurrency levels")
     parser.add_argument("--logprob-streams", default="64", help="levels for logprobs vs none ('' to skip)")
     parser.add_argument("--new-tokens", type=int, default=256)
-    parser.add_argument("--rounds", type=int, default=2, help="measured rounds per level and path")
+    parser.add_argument("--rounds", type=int, default=3, help="measured rounds per level and path")
     parser.add_argument("--max-seq-len", type=int, default=4096)
     parser.add_argument("--cache-size", type=int, default=65536, help="KV cache tokens, both paths")
     parser.add_argument(
@@ -241,6 +334,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mixed-streams", type=int, default=16)
     parser.add_argument("--skip-overhead", action="store_true", help="only the mixed-registry scenario")
     parser.add_argument("--paths", default="raw,gateway", help="raw, engine (ours, in-process), gateway")
+    parser.add_argument(
+        "--raw-threads", type=int, default=1, help="torch CPU threads of the raw path (GPU workers run 1)"
+    )
+    parser.add_argument(
+        "--compare-threads",
+        action="store_true",
+        help="also run raw and a second gateway worker with torch's default CPU threads (as shipped before)",
+    )
+    parser.add_argument("--peer", help="another OpenAI-compatible server's URL, driven by the same client")
+    parser.add_argument("--peer-model", default="m", help="the model name to send to --peer")
+    parser.add_argument("--trace", action="store_true", help="per-step traces of raw, engine and gateway")
     parser.add_argument(
         "--py-spy", help="py-spy binary: profile one round of each path at the first and last level"
     )

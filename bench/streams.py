@@ -11,9 +11,9 @@ is checked instead (every chunk must be one token, which the demo tokenizer make
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,9 +47,18 @@ class Round:
     streams: list[Stream]
     step_seconds: list[float] = field(default_factory=list)  # raw rounds: every generator step
     chunks: int = 0  # HTTP rounds: content chunks received, to check one token per chunk
+    client_cpu_s: float = 0.0  # HTTP rounds: CPU time of the benchmark's own client process
+    worker_cpu_s: float | None = None  # gateway rounds: CPU time of the worker process meanwhile
+
+    @property
+    def seconds(self) -> float:
+        """First request to last token."""
+        return max(s.token_times[-1] for s in self.streams) - min(s.started for s in self.streams)
 
 
-def raw_round(engine_name: str, engine: Any, prompts: list[list[int]], new_tokens: int) -> Round:
+def raw_round(
+    engine_name: str, engine: Any, prompts: list[list[int]], new_tokens: int, trace: Any = None
+) -> Round:
     """One round of greedy jobs straight through the library's generator (our engine only built it)."""
     torch, generator = engine._torch, engine.generator
     streams = [Stream(0.0) for _ in prompts]
@@ -71,17 +80,25 @@ def raw_round(engine_name: str, engine: Any, prompts: list[list[int]], new_token
         streams[i].started = time.perf_counter()
         generator.enqueue(job(i, torch.tensor([prompt], dtype=torch.long)))
     while generator.num_remaining_jobs():
+        if trace is not None:
+            trace.before_step()
         started = time.perf_counter()
         results = generator.iterate()
         now = time.perf_counter()
         steps.append(now - started)
+        emitted = []
         for result in results:
             if result["stage"] == "streaming" and "token_ids" in result:
-                streams[result["identifier"]].token_times += [now] * int(result["token_ids"].shape[-1])
+                count = int(result["token_ids"].shape[-1])
+                streams[result["identifier"]].token_times += [now] * count
+                emitted.append((result["identifier"], count, bool(result.get("eos"))))
+        if trace is not None:
+            trace.after_step(emitted)
+            trace.after_send()
     return Round(streams, steps)
 
 
-def engine_round(engine: Any, prompts: list[list[int]], new_tokens: int) -> Round:
+def engine_round(engine: Any, prompts: list[list[int]], new_tokens: int, trace: Any = None) -> Round:
     """One round through our engine's submit/step in this process (the worker's engine, no serve
     loop, socket or HTTP): with raw and gateway rounds it splits the gateway's overhead in two."""
     from wire.params import SamplingParams
@@ -93,50 +110,64 @@ def engine_round(engine: Any, prompts: list[list[int]], new_tokens: int) -> Roun
         engine.submit(rid, prompt, params)
     steps: list[float] = []
     while engine.has_work():
+        if trace is not None:
+            trace.before_step()
         started = time.perf_counter()
         outputs = engine.step()
         now = time.perf_counter()
         steps.append(now - started)
         for output in outputs:
             streams[output.rid].token_times += [now] * len(output.token_ids)
+        if trace is not None:
+            trace.after_step([(o.rid, len(o.token_ids), o.finish_reason is not None) for o in outputs])
+            trace.after_send()
     return Round(list(streams.values()), steps)
 
 
 def http_round(url: str, model: str, prompts: list[str], new_tokens: int, logprobs: int | None) -> Round:
-    """One round of concurrent streamed completions, one client connection per stream."""
+    """One round of concurrent streamed completions from one asyncio client in this process (one
+    connection per stream): the same client for our gateway and for any peer server. Its own CPU
+    time is recorded, to show that the client is not what limits the figures."""
+    cpu_started = time.process_time()
+    done = asyncio.run(_http_streams(url, model, prompts, new_tokens, logprobs))
+    cpu_s = time.process_time() - cpu_started
+    return Round([stream for stream, _ in done], chunks=sum(chunks for _, chunks in done), client_cpu_s=cpu_s)
+
+
+async def _http_streams(
+    url: str, model: str, prompts: list[str], new_tokens: int, logprobs: int | None
+) -> list[tuple[Stream, int]]:
     body: dict[str, Any] = {"model": model, "max_tokens": new_tokens, "temperature": 0, "ignore_eos": True,
                             "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
     if logprobs is not None:
         body["logprobs"] = logprobs
+    limits = httpx.Limits(max_connections=len(prompts), max_keepalive_connections=len(prompts))
 
-    def one(prompt: str) -> tuple[Stream, int]:
+    async def one(client: httpx.AsyncClient, prompt: str) -> tuple[Stream, int]:
         stream, chunks, usage = Stream(time.perf_counter()), 0, None
-        with httpx.Client(base_url=url, timeout=600) as client:
-            stream.started = time.perf_counter()
-            with client.stream("POST", "/v1/completions", json={**body, "prompt": prompt}) as response:
-                if response.status_code != 200:
-                    raise RuntimeError(f"HTTP {response.status_code}: {response.read().decode()[:300]}")
-                for line in response.iter_lines():
-                    if not line.startswith("data: {"):
-                        continue
-                    now = time.perf_counter()
-                    event = json.loads(line[6:])
-                    if "error" in event:
-                        raise RuntimeError(f"stream error: {event['error']}")
-                    usage = event.get("usage") or usage
-                    for choice in event.get("choices", []):
-                        counted = len((choice.get("logprobs") or {}).get("tokens") or [])
-                        if logprobs is None and choice.get("text"):
-                            counted = 1
-                            chunks += 1
-                        stream.token_times += [now] * counted
+        async with client.stream("POST", "/v1/completions", json={**body, "prompt": prompt}) as response:
+            if response.status_code != 200:
+                raise RuntimeError(f"HTTP {response.status_code}: {(await response.aread()).decode()[:300]}")
+            async for line in response.aiter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                now = time.perf_counter()
+                event = json.loads(line[6:])
+                if "error" in event:
+                    raise RuntimeError(f"stream error: {event['error']}")
+                usage = event.get("usage") or usage
+                for choice in event.get("choices", []):
+                    counted = len((choice.get("logprobs") or {}).get("tokens") or [])
+                    if logprobs is None and choice.get("text"):
+                        counted = 1
+                        chunks += 1
+                    stream.token_times += [now] * counted
         if usage is None or usage["completion_tokens"] != new_tokens:
             raise RuntimeError(f"stream ended with usage {usage}, expected {new_tokens} tokens")
         return stream, chunks
 
-    with ThreadPoolExecutor(len(prompts)) as pool:
-        done = list(pool.map(one, prompts))
-    return Round([stream for stream, _ in done], chunks=sum(chunks for _, chunks in done))
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
+        return await asyncio.gather(*(one(client, prompt) for prompt in prompts))
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -152,10 +183,15 @@ def summarize(rounds: list[Round]) -> dict[str, Any]:
     totals = [sum(s.tokens for s in r.streams) / (max(s.token_times[-1] for s in r.streams)
               - min(s.started for s in r.streams)) for r in rounds]  # fmt: skip
     tokens = sum(s.tokens for s in streams)
+    client_cpu = sum(r.client_cpu_s for r in rounds)
     mean_gap = sum(gaps) / len(gaps) if gaps else 0.0
     median_gap = percentile(gaps, 0.5)
     return {
         "tok_s_total": sorted(totals)[len(totals) // 2],
+        # The spread over rounds: one run of one engine moved by up to 25% between rounds.
+        "tok_s_total_min": min(totals),
+        "tok_s_total_max": max(totals),
+        "rounds": len(rounds),
         "tok_s_per_stream": percentile([s.tok_s for s in streams], 0.5),
         "ttft_ms_p50": 1000 * percentile([s.ttft for s in streams], 0.5),
         "ttft_ms_p99": 1000 * percentile([s.ttft for s in streams], 0.99),
@@ -168,6 +204,7 @@ def summarize(rounds: list[Round]) -> dict[str, Any]:
         "step_ms_p50": 1000 * percentile(steps, 0.5) if steps else None,
         "step_ms_p99": 1000 * percentile(steps, 0.99) if steps else None,
         "tokens": tokens,
+        "client_cpu_us_per_token": round(1e6 * client_cpu / tokens, 1) if client_cpu else None,
         "tokens_per_chunk": round(tokens / sum(r.chunks for r in rounds), 3)
         if any(r.chunks for r in rounds)
         else None,

@@ -20,6 +20,8 @@
 #                     QUANT_PRESET), or a pytest path such as
 #                     "tests/gpu/test_batching.py"
 #   GPU_RUN_BUDGET_S  wall-clock budget in seconds; stages are cut to fit (default 540)
+#   BENCH_ARGS        extra bench_engines.py arguments for bench-v2 / bench-v3 (e.g. "--streams 1,16,64
+#                     --compare-threads --trace"); BENCH_CAP_S their time cap
 #   TRAIN_SECONDS     real-model: how long the model trains (default 120)
 #   QUANT_PRESET      quant-bench: the demo shape converted to 4 bpw EXL2 and EXL3 and benchmarked
 #                     (default 1b; llama3-8b where its conversions fit the run)
@@ -175,8 +177,9 @@ m('$qmodel', preset='$preset', seed=0, device='cuda')"
                     status[bench-$fmt]="skipped (no $fmt folder)"
                 fi
             done ;;
-        bench-v2) run_bench bench-v2 270 --engine exllamav2 --paths raw,engine,gateway ;;
-        bench-v3) run_bench bench-v3 290 --engine exllamav3 ;;
+        bench-v2) run_bench bench-v2 "${BENCH_CAP_S:-270}" --engine exllamav2 --paths raw,engine,gateway \
+            ${BENCH_ARGS:-} ;;
+        bench-v3) run_bench bench-v3 "${BENCH_CAP_S:-290}" --engine exllamav3 ${BENCH_ARGS:-} ;;
         two-gpus)
             if ((gpus < 2)); then status[two-gpus]="skipped (one GPU)"; continue; fi
             run_pytest two-gpus 240 "${two_gpu_tests[@]}"
