@@ -192,6 +192,8 @@ class Worker:
             tokenizer_info(spec.path, spec.max_seq_len, chat_template),
         )
         check_transition(self.state, WorkerState.READY)
+        # The gateway holds the warm-up's counts from the moment it sees Ready, not one heartbeat later.
+        self._send(wire.Heartbeat(self.state, engine.stats()))
         self.state = WorkerState.READY
         self._send(self._ready)
         logger.info("ready (warm-up %.2fs)", warm_s)

@@ -39,6 +39,7 @@ logger = logging.getLogger(__name__)
 STABLE_AFTER_S = 60.0  # a worker ready this long resets its crash count and backoff
 S = WorkerState
 STARTUP = (S.STARTING, S.LOADING, S.WARMING)
+LIVE = (*STARTUP, S.READY)
 
 StateListener = Callable[[WorkerHandle], None]
 
@@ -209,6 +210,9 @@ class Supervisor:
             # Its requests end now, with the cause it gave, not when its process is finally gone
             # (tearing down torch can take seconds, and a watchdog must not rename the cause meanwhile).
             self.fail_requests(handle, message.message)
+            if not remote and handle.state in LIVE and not (self._stopping or handle.retiring):
+                # It takes nothing new while its process winds down; the restart follows its exit.
+                self.set_state(handle, S.RESTARTING, f"restarts once it exits after: {message.message}")
 
     # ---- per-worker task ---------------------------------------------------------------------
 
@@ -299,7 +303,8 @@ class Supervisor:
                 code = exited.result()
                 return f"exited with code {code}" if code >= 0 else f"killed by signal {-code}"
             now = time.monotonic()
-            if not handle.ready and handle.state is not S.DRAINING:
+            # A worker that is draining, or winding down after a Fatal, is not starting up.
+            if not handle.ready and handle.state not in (S.DRAINING, S.RESTARTING):
                 if now - handle.spawned_at > server.worker_start_timeout_s:
                     handle.death_cause = handle.death_cause or (
                         f"not ready within worker_start_timeout_s={server.worker_start_timeout_s:g}s; "
