@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from model_worker.engines.base import Engine, RequestRejected
+from model_worker.engines.base import Embeds, Engine, RequestRejected
 from wire import messages as wire
 from wire.params import WorkerSpec
 from wire.results import RejectCode
@@ -27,7 +27,7 @@ class EmbeddingBatch:
         """Every Embed queued so far, as one batch through the model; one Embeddings reply each."""
         batch = list(self.queue)
         self.queue.clear()
-        embed = getattr(self.engine, "embed", None)
+        embed = self.engine.embed if isinstance(self.engine, Embeds) else None
         accepted: list[tuple[wire.Embed, list[list[int]]]] = []
         for msg in batch:
             try:

@@ -16,7 +16,7 @@ from typing import Any
 import msgspec
 
 from model_worker.constraints import ConstraintCompiler
-from model_worker.engines.base import Engine, RequestRejected
+from model_worker.engines.base import Engine, PreparesConstraints, RequestRejected, ScoresPrompts
 from model_worker.engines.validation import check_job
 from model_worker.prompts import PromptBuilder
 from wire import messages as wire
@@ -52,8 +52,9 @@ class JobDesk:
         # Engines that enforce constraints with lm-format-enforcer (they build its tokenizer data in
         # prepare_constraints) get their parsers compiled ahead; exllamav3 compiles its own
         # (llguidance, lazily, in Rust) when the job is submitted.
-        prepare = getattr(engine, "prepare_constraints", None)
-        self._prepare: Callable[[], None] | None = prepare if callable(prepare) else None
+        self._prepare: Callable[[], None] | None = (
+            engine.prepare_constraints if isinstance(engine, PreparesConstraints) else None
+        )
         self.compiler = (
             ConstraintCompiler(spec.max_constraint_compile_s, spec.max_constraint_states)
             if self._prepare is not None
@@ -109,6 +110,7 @@ class JobDesk:
             if params.prompt_logprobs is not None:
                 # Its own pass over the prompt, before the job: scoring requests (max_tokens 0 or 1)
                 # pay one extra prefill, and no engine's generation path changes.
+                assert isinstance(self.engine, ScoresPrompts)  # checked against its settings at load
                 scored = self.engine.prompt_logprobs(prompt_ids, params.prompt_logprobs)
             if params.max_tokens > 0:
                 self.engine.submit(msg.rid, prompt_ids, params)

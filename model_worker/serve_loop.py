@@ -23,7 +23,7 @@ from pydantic import ValidationError
 from model_worker.chat_template import ChatTemplate
 from model_worker.embedding_batch import EmbeddingBatch
 from model_worker.engines import registry
-from model_worker.engines.base import Engine, RequestRejected
+from model_worker.engines.base import Engine, RequestRejected, missing_capabilities
 from model_worker.frame_sender import FrameSender
 from model_worker.handshake_watch import HandshakeWatch
 from model_worker.jobs import JobDesk
@@ -165,13 +165,18 @@ class Worker:
         self._move_to(WorkerState.LOADING, f"loading {spec.engine} model", 0.0)
         started = time.monotonic()
         engine_class = entry.engine_class() if spec.task != "embed" else entry.package.embedding_class()
+        supported = type(settings).supported_parameters
+        if missing := missing_capabilities(engine_class, supported):
+            # A contract bug, not a user error: caught by tests/unit/test_engine_contract.py first.
+            raise RuntimeError(
+                f"{engine_class.__name__} lists {', '.join(missing)} but does not implement it"
+            )
         engine: Engine = engine_class(spec.path, spec.max_seq_len, settings)
         engine.load(lambda detail, progress: self._move_to(WorkerState.LOADING, detail, progress))
         self.engine = engine
         self.info = engine.info()
         chat_template = ChatTemplate.for_model(spec.path, spec.chat_template)
         self.prompts = PromptBuilder(engine, chat_template, spec.name)
-        supported = type(settings).supported_parameters
         self.jobs = JobDesk(engine, self.prompts, self.info, spec, supported, self._send)
         self.embeddings = EmbeddingBatch(engine, self.info, spec, self._send)
         load_s = time.monotonic() - started

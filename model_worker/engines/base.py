@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic_core import InitErrorDetails, PydanticCustomError
@@ -97,10 +97,6 @@ class Engine(Protocol):
         """Queue a job that passed the shared checks (engines.validation); RequestRejected if this
         engine in particular cannot run it."""
 
-    def prompt_logprobs(self, prompt_ids: list[int], top: int) -> list[TokenLogprob]:
-        """Each prompt token's logprob given the tokens before it, and its `top` alternatives; the
-        first entry has logprob None. Only asked of engines listing "prompt_logprobs" as supported."""
-
     def cancel(self, rid: str) -> bool:
         """Stop a job and free its cache; False if it was unknown or already finished."""
 
@@ -116,3 +112,46 @@ class Engine(Protocol):
     def info(self) -> EngineInfo: ...
 
     def close(self) -> None: ...
+
+
+# Optional capabilities: an engine declares one by implementing its method, and the serve loop
+# asks with isinstance. mypy checks every engine against the protocols it claims
+# (engines/contract_check.py), and a worker refuses to start an engine whose settings list a
+# parameter that needs a capability the engine lacks.
+
+
+@runtime_checkable
+class ScoresPrompts(Protocol):
+    def prompt_logprobs(self, prompt_ids: list[int], top: int) -> list[TokenLogprob]:
+        """Each prompt token's logprob given the tokens before it, and its `top` alternatives; the
+        first entry has logprob None."""
+
+
+@runtime_checkable
+class PreparesConstraints(Protocol):
+    def prepare_constraints(self) -> None:
+        """Build what structured output needs ahead (once, on a thread beside the serve loop)."""
+
+
+@runtime_checkable
+class Embeds(Protocol):
+    def embed(self, inputs: list[list[int]]) -> list[list[float]]:
+        """One vector per input."""
+
+
+# Request parameters that only an engine with the capability can honour.
+CAPABILITY_OF_PARAMETER: dict[str, type] = {"prompt_logprobs": ScoresPrompts}
+
+
+def missing_capabilities(engine_class: type, supported_parameters: frozenset[str]) -> list[str]:
+    """The parameters an engine's settings list as supported whose capability the engine lacks."""
+    return sorted(
+        name
+        for name, capability in CAPABILITY_OF_PARAMETER.items()
+        if name in supported_parameters
+        and not all(callable(getattr(engine_class, attr, None)) for attr in _methods(capability))
+    )
+
+
+def _methods(protocol: type) -> list[str]:
+    return [name for name, value in vars(protocol).items() if callable(value) and not name.startswith("_")]

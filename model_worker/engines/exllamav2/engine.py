@@ -15,15 +15,14 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from model_worker.devices import cuda_devices, gpu_memory_used_bytes
+from model_worker.devices import cuda_devices
 from model_worker.engines.base import GREEDY_BELOW_TEMPERATURE, ProgressCallback, RequestRejected
+from model_worker.engines.dynamic_generator import DynamicGeneratorEngine, GeneratorJob
 from model_worker.engines.exllamav2 import extensions, loading, scoring
 from model_worker.engines.exllamav2.settings import NUM_DRAFT_TOKENS, ExLlamaV2Settings, round_up
-from model_worker.engines.generator_results import PartialOutput, TakeEntries, add_tokens, finish
 from model_worker.engines.gpu_logprobs import StepLogprobs
 from model_worker.engines.structured_output import (
     build_parser,
@@ -31,50 +30,25 @@ from model_worker.engines.structured_output import (
     exllamav2_tokenizer_data,
     wants_json,
 )
-from model_worker.engines.token_texts import TokenTexts
 from model_worker.engines.validation import completion_budget
 from wire.params import SamplingParams
-from wire.results import JobOutput, RejectCode, TokenLogprob
-from wire.stats import EngineInfo, EngineStats
+from wire.results import RejectCode, TokenLogprob
+from wire.stats import EngineInfo
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class _Job:
-    job: Any  # ExLlamaV2DynamicJob
-    prompt_tokens: int
-    take: TakeEntries | None  # its logprob entries, when it asked for logprobs
-    include_stop_str: bool = False
+class ExLlamaV2Engine(DynamicGeneratorEngine):
+    settings: ExLlamaV2Settings
 
-
-class ExLlamaV2Engine:
     def __init__(self, path: str, max_seq_len: int, settings: ExLlamaV2Settings) -> None:
-        self._jobs_per_step = 0.0
-        self.path = path
-        self.max_seq_len = max_seq_len
-        self.settings = settings
-        self._jobs: dict[str, _Job] = {}
-        self._exl: Any = None  # the exllamav2 modules and torch, bound in load()
-        self._torch: Any = None
-        self.generator: Any = None
-        self.model: Any = None
-        self.cache: Any = None
-        self.tokenizer: Any = None
-        self.draft_model: Any = None
-        self.draft_cache: Any = None
+        super().__init__(path, max_seq_len, settings)
         self.paged = False
         self.attention = ""
         self.cache_size = 0
         self.max_chunk_size = settings.max_chunk_size
-        self.vocab_size = 0
-        self._eos_ids: list[int] = []
-        self._pieces: list[str] = []
         self._supports_logit_bias = False
         self._json_data: Any = None  # lm-format-enforcer's tokenizer data, built for the first JSON job
-        self._logprobs: StepLogprobs | None = None
-        self._counters = {"steps": 0, "tokens": 0, "finished": 0, "cancelled": 0}
-        self._texts = TokenTexts(self.decode)
 
     # ---- loading -------------------------------------------------------------------------------
 
@@ -149,18 +123,6 @@ class ExLlamaV2Engine:
         else:
             logger.info("exllamav2 unpaged on %s (paged: false): jobs run one at a time", name)
 
-    # ---- tokens ----------------------------------------------------------------------------------
-
-    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
-        # Chat templates put special tokens in the text; they must become their ids, not text.
-        ids = self.tokenizer.encode(text, add_bos=add_special_tokens, encode_special_tokens=True)
-        return [int(t) for t in ids[0].tolist()]
-
-    def decode(self, token_ids: list[int]) -> str:
-        if not token_ids:
-            return ""
-        return str(self.tokenizer.decode(self._torch.tensor(token_ids, dtype=self._torch.long)))
-
     # ---- jobs ------------------------------------------------------------------------------------
 
     def submit(self, rid: str, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -185,18 +147,7 @@ class ExLlamaV2Engine:
             filter_prefer_eos=bool(filters),
             **extensions.job_arguments(params),
         )
-        try:
-            self.generator.enqueue(job)
-        except AssertionError as exc:  # exllamav2 checks the fit with asserts, before changing state
-            message = f"the job does not fit the cache: {exc}"
-            raise RequestRejected(RejectCode.CONTEXT_LENGTH_EXCEEDED, message) from None
-        take = None
-        if params.logprobs is not None:
-            assert self._logprobs is not None
-            self._logprobs.add_job(rid, params.logprobs, n)
-            logprobs = self._logprobs
-            take = lambda count: logprobs.take(rid, count)  # noqa: E731
-        self._jobs[rid] = _Job(job, n, take, params.include_stop_str_in_output)
+        self._enqueue(rid, job, params, n)
 
     def _json_filters(self, params: SamplingParams) -> list[Any]:
         """The job's lm-format-enforcer filter when it asks for JSON; RequestRejected for a bad schema."""
@@ -250,78 +201,17 @@ class ExLlamaV2Engine:
             self.model, prompt_ids, top, self.max_chunk_size, self.vocab_size, self._texts
         )
 
-    def cancel(self, rid: str) -> bool:
-        state = self._jobs.pop(rid, None)
-        if state is None:
-            return False
-        if self._logprobs is not None:
-            self._logprobs.drop_job(rid)
-        # A job that finished inside the last iterate() is no longer the generator's to cancel.
-        if state.job in self.generator.pending_jobs or state.job in self.generator.active_jobs:
-            self.generator.cancel(state.job)
-            self._counters["cancelled"] += 1
-            return True
-        return False
+    def _finish_text(self, result: dict[str, Any], state: GeneratorJob) -> str:
+        return extensions.stop_string_text(result, state.include_stop_str)
 
-    def step(self) -> list[JobOutput]:
-        active = len(self.generator.active_jobs)
-        results = self.generator.iterate()  # an exception here is fatal for the worker: let it rise
-        self._counters["steps"] += 1
-        # How well batching is used: a moving average over the last ~20 steps.
-        self._jobs_per_step += (active - self._jobs_per_step) * 0.05
-        if self._logprobs is not None and self._logprobs.active:
-            self._logprobs.after_step({rid: state.job for rid, state in self._jobs.items()})
-        merged: dict[str, PartialOutput] = {}
-        for result in results:
-            state = self._jobs.get(str(result.get("identifier")))
-            if result["stage"] != "streaming" or state is None:
-                continue
-            rid = result["identifier"]
-            part = merged.setdefault(rid, PartialOutput(logprobs=None if state.take is None else []))
-            add_tokens(part, result, self._texts, state.take)
-            if result["eos"]:
-                finish(part, result, state.prompt_tokens, self._pieces, self._texts, state.take)
-                part.text += extensions.stop_string_text(result, state.include_stop_str)
-                self._counters["finished"] += 1
-                del self._jobs[rid]
-                if self._logprobs is not None:
-                    self._logprobs.drop_job(rid)
-        outputs = []
-        for rid, part in merged.items():
-            if part.token_ids or part.text or part.finish_reason:
-                self._counters["tokens"] += len(part.token_ids)
-                outputs.append(JobOutput(rid, part.text, part.token_ids, part.finish_reason, part.usage,
-                                         part.logprobs))  # fmt: skip
-        return outputs
-
-    def has_work(self) -> bool:
-        return self.generator is not None and self.generator.num_remaining_jobs() > 0
+    def _pages(self) -> tuple[int, int]:
+        total = int(self.generator.max_pages)
+        return total, min(len(self.generator.unreferenced_pages), total)
 
     # ---- reporting -------------------------------------------------------------------------------
 
-    def stats(self) -> EngineStats:
-        generator = self.generator
-        if generator is None:
-            return EngineStats()
-        total_pages = int(generator.max_pages)
-        free_pages = min(len(generator.unreferenced_pages), total_pages)
-        return EngineStats(
-            active_jobs=len(generator.active_jobs),
-            queued_jobs=len(generator.pending_jobs),
-            steps=self._counters["steps"],
-            generated_tokens=self._counters["tokens"],
-            jobs_finished=self._counters["finished"],
-            jobs_cancelled=self._counters["cancelled"],
-            jobs_per_step=round(self._jobs_per_step, 3),
-            kv_cache_usage_ratio=round(1.0 - free_pages / total_pages, 4) if total_pages else 0.0,
-            cache_pages_total=total_pages,
-            cache_pages_free=free_pages,
-            gpu_memory_used_bytes=gpu_memory_used_bytes(),
-        )
-
     def info(self) -> EngineInfo:
         s = self.settings
-        draft = "ngram" if s.ngram_draft else (Path(s.draft_path).name if s.draft_path else "")
         return EngineInfo(
             engine="exllamav2",
             engine_version=str(self._exl.__version__) if self._exl else "",
@@ -334,16 +224,6 @@ class ExLlamaV2Engine:
             attention=self.attention,
             cache_size=self.cache_size,
             cache_mode=s.cache_mode,
-            draft=draft,
+            draft=self.draft_name(),
             configured_max_batch_size=s.max_batch_size,
         )
-
-    def close(self) -> None:
-        for rid in list(self._jobs):
-            self.cancel(rid)
-        for model in (self.model, self.draft_model):
-            if model is not None:
-                model.unload()
-        self.generator = self.cache = self.draft_cache = self.model = self.draft_model = None
-        if self._torch is not None:
-            self._torch.cuda.empty_cache()

@@ -11,58 +11,33 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from model_worker.devices import cuda_devices, gpu_memory_used_bytes
+from model_worker.devices import cuda_devices
 from model_worker.engines.base import GREEDY_BELOW_TEMPERATURE, ProgressCallback, RequestRejected
+from model_worker.engines.dynamic_generator import DynamicGeneratorEngine
 from model_worker.engines.exllamav3 import loading
 from model_worker.engines.exllamav3.settings import NGRAM_MATCH_MIN, NUM_DRAFT_TOKENS, ExLlamaV3Settings
-from model_worker.engines.generator_results import PartialOutput, TakeEntries, add_tokens, finish
 from model_worker.engines.gpu_logprobs import StepLogprobs
 from model_worker.engines.structured_output import wants_json
-from model_worker.engines.token_texts import TokenTexts
 from model_worker.engines.validation import completion_budget
 from wire.params import SamplingParams
-from wire.results import JobOutput, RejectCode
-from wire.stats import EngineInfo, EngineStats
+from wire.results import RejectCode
+from wire.stats import EngineInfo
 
 logger = logging.getLogger(__name__)
 
 _ANY_OBJECT_SCHEMA = '{"type": "object"}'
 
 
-@dataclass
-class _Job:
-    job: Any  # exllamav3.Job
-    prompt_tokens: int
-    take: TakeEntries | None  # its logprob entries, when it asked for logprobs
+class ExLlamaV3Engine(DynamicGeneratorEngine):
+    settings: ExLlamaV3Settings
 
-
-class ExLlamaV3Engine:
     def __init__(self, path: str, max_seq_len: int, settings: ExLlamaV3Settings) -> None:
-        self.path = path
-        self.max_seq_len = max_seq_len
-        self.settings = settings
-        self._jobs: dict[str, _Job] = {}
-        self._exl: Any = None  # the exllamav3 module and torch, bound in load()
-        self._torch: Any = None
+        super().__init__(path, max_seq_len, settings)
         self._version = ""
-        self.generator: Any = None
-        self.model: Any = None
-        self.cache: Any = None
-        self.tokenizer: Any = None
-        self.draft_model: Any = None
-        self.draft_cache: Any = None
         self.cache_size = settings.paged_cache_size(max_seq_len)
-        self.vocab_size = 0
-        self._eos_ids: list[int] = []
-        self._pieces: list[str] = []
-        self._logprobs: StepLogprobs | None = None
-        self._jobs_per_step = 0.0
-        self._counters = {"steps": 0, "tokens": 0, "finished": 0, "cancelled": 0}
-        self._texts = TokenTexts(self.decode)
 
     # ---- loading -------------------------------------------------------------------------------
 
@@ -119,21 +94,9 @@ class ExLlamaV3Engine:
             "exllamav3 on %s: triton paged attention, cache %d tokens (%d pages of 256, %s), up to %d jobs "
             "per step, prefill chunks of %d tokens%s", Path(self.path).name, self.cache_size,
             self.cache_size // 256, s.cache_mode, s.max_batch_size, s.max_chunk_size,
-            f", drafting {self.info_draft()}" if s.drafts else "",
+            f", drafting {self.draft_name()}" if s.drafts else "",
         )  # fmt: skip
         progress("model loaded", 1.0)
-
-    # ---- tokens ----------------------------------------------------------------------------------
-
-    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
-        # Chat templates put special tokens in the text; they must become their ids, not text.
-        ids = self.tokenizer.encode(text, add_bos=add_special_tokens, encode_special_tokens=True)
-        return [int(t) for t in ids[0].tolist()]
-
-    def decode(self, token_ids: list[int]) -> str:
-        if not token_ids:
-            return ""
-        return str(self.tokenizer.decode(self._torch.tensor(token_ids, dtype=self._torch.long)))
 
     # ---- jobs ------------------------------------------------------------------------------------
 
@@ -153,18 +116,7 @@ class ExLlamaV3Engine:
             identifier=rid,
             filters=filters,
         )
-        try:
-            self.generator.enqueue(job)
-        except AssertionError as exc:  # exllamav3 checks the fit with asserts, before changing state
-            message = f"the job does not fit the cache: {exc}"
-            raise RequestRejected(RejectCode.CONTEXT_LENGTH_EXCEEDED, message) from None
-        take = None
-        if params.logprobs is not None:
-            assert self._logprobs is not None
-            self._logprobs.add_job(rid, params.logprobs, n)
-            logprobs = self._logprobs
-            take = lambda count: logprobs.take(rid, count)  # noqa: E731
-        self._jobs[rid] = _Job(job, n, take)
+        self._enqueue(rid, job, params, n)
 
     def _sampler(self, params: SamplingParams) -> Any:
         if params.typical_p not in (0.0, 1.0):
@@ -215,82 +167,22 @@ class ExLlamaV3Engine:
             message = f"the JSON schema cannot be enforced: {str(exc).strip().splitlines()[0][:200]}"
             raise RequestRejected(RejectCode.INVALID_RESPONSE_FORMAT, message, "response_format") from None
 
-    def cancel(self, rid: str) -> bool:
-        state = self._jobs.pop(rid, None)
-        if state is None:
-            return False
-        if self._logprobs is not None:
-            self._logprobs.drop_job(rid)
-        # A job that finished inside the last iterate() is no longer the generator's to cancel.
-        if state.job in self.generator.pending_jobs or state.job in self.generator.active_jobs:
-            self.generator.cancel(state.job)  # releases its pages and any recurrent state
-            self._counters["cancelled"] += 1
-            return True
-        return False
+    def _check_result(self, result: dict[str, Any]) -> None:
+        if result["stage"] == "error":
+            # exllamav3 isolates a job that raised (non-finite logits: a kernel fault, it says);
+            # CUDA state may be bad, so the worker stops and its supervisor restarts it.
+            raise RuntimeError(f"exllamav3 job {result.get('identifier')} failed: {result.get('error')}")
 
-    def step(self) -> list[JobOutput]:
-        active = len(self.generator.active_jobs)
-        results = self.generator.iterate()  # an exception here is fatal for the worker: let it rise
-        self._counters["steps"] += 1
-        self._jobs_per_step += (active - self._jobs_per_step) * 0.05
-        if self._logprobs is not None and self._logprobs.active:
-            self._logprobs.after_step({rid: state.job for rid, state in self._jobs.items()})
-        merged: dict[str, PartialOutput] = {}
-        for result in results:
-            if result["stage"] == "error":
-                # exllamav3 isolates a job that raised (non-finite logits: a kernel fault, it says);
-                # CUDA state may be bad, so the worker stops and its supervisor restarts it.
-                raise RuntimeError(f"exllamav3 job {result.get('identifier')} failed: {result.get('error')}")
-            state = self._jobs.get(str(result.get("identifier")))
-            if result["stage"] != "streaming" or state is None:
-                continue
-            rid = result["identifier"]
-            part = merged.setdefault(rid, PartialOutput(logprobs=None if state.take is None else []))
-            add_tokens(part, result, self._texts, state.take)
-            if result["eos"]:
-                finish(part, result, state.prompt_tokens, self._pieces, self._texts, state.take)
-                self._counters["finished"] += 1
-                del self._jobs[rid]
-                if self._logprobs is not None:
-                    self._logprobs.drop_job(rid)
-        outputs = []
-        for rid, part in merged.items():
-            if part.token_ids or part.text or part.finish_reason:
-                self._counters["tokens"] += len(part.token_ids)
-                outputs.append(JobOutput(rid, part.text, part.token_ids, part.finish_reason, part.usage,
-                                         part.logprobs))  # fmt: skip
-        return outputs
+    def _pages(self) -> tuple[int, int]:
+        pages = self.generator.pagetable
+        total = int(pages.max_pages)
+        # Unreferenced pages are free to take; some still hold a reusable prompt prefix.
+        return total, min(int(pages.num_unreferenced_pages()), total)
 
-    def has_work(self) -> bool:
-        return self.generator is not None and self.generator.num_remaining_jobs() > 0
+    def _close_generator(self) -> None:
+        self.generator.close()  # releases its pages and any recurrent state
 
     # ---- reporting -------------------------------------------------------------------------------
-
-    def stats(self) -> EngineStats:
-        generator = self.generator
-        if generator is None:
-            return EngineStats()
-        pages = generator.pagetable
-        total_pages = int(pages.max_pages)
-        # Unreferenced pages are free to take; some still hold a reusable prompt prefix.
-        free_pages = min(int(pages.num_unreferenced_pages()), total_pages)
-        return EngineStats(
-            active_jobs=len(generator.active_jobs),
-            queued_jobs=len(generator.pending_jobs),
-            steps=self._counters["steps"],
-            generated_tokens=self._counters["tokens"],
-            jobs_finished=self._counters["finished"],
-            jobs_cancelled=self._counters["cancelled"],
-            jobs_per_step=round(self._jobs_per_step, 3),
-            kv_cache_usage_ratio=round(1.0 - free_pages / total_pages, 4) if total_pages else 0.0,
-            cache_pages_total=total_pages,
-            cache_pages_free=free_pages,
-            gpu_memory_used_bytes=gpu_memory_used_bytes(),
-        )
-
-    def info_draft(self) -> str:
-        s = self.settings
-        return "ngram" if s.ngram_draft else (Path(s.draft_path).name if s.draft_path else "")
 
     def info(self) -> EngineInfo:
         s = self.settings
@@ -306,18 +198,6 @@ class ExLlamaV3Engine:
             attention="triton-paged",
             cache_size=self.cache_size,
             cache_mode=s.cache_mode,
-            draft=self.info_draft(),
+            draft=self.draft_name(),
             configured_max_batch_size=s.max_batch_size,
         )
-
-    def close(self) -> None:
-        for rid in list(self._jobs):
-            self.cancel(rid)
-        if self.generator is not None:
-            self.generator.close()
-        for model in (self.model, self.draft_model):
-            if model is not None:
-                model.unload()
-        self.generator = self.cache = self.draft_cache = self.model = self.draft_model = None
-        if self._torch is not None:
-            self._torch.cuda.empty_cache()
