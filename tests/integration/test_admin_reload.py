@@ -15,6 +15,12 @@ import pytest
 from tests.harness import WAIT_TIMEOUT_S, GatewayProcess, pid_alive, wait_until
 from tests.integration.conftest import demo_entry, write_registry
 
+# Streams that must still be running when a drain's grace ends: 0.05 s a step, however fast the
+# machine, so 2000 tokens cannot finish first.
+SLOW_ON_CUE = "test:tests.fault_engines.FaultyEngine"
+SLOW_PROMPT = "<<slow>> go"
+TEST_ENGINES = {"GATEWAY_ALLOW_TEST_ENGINES": "1"}
+
 
 def workers_of(gateway: GatewayProcess, model: str) -> list[dict[str, Any]]:
     return [w for w in gateway.workers() if w["model"] == model]
@@ -185,13 +191,15 @@ def test_reload_ends_requests_of_a_removed_model_with_their_reason(
     """Queued requests for a removed model end at once; a running stream gets the drain's grace,
     then an SSE error saying why (not a generic shutdown, and never a wait for the deadline)."""
     config = tmp_path / "models.yaml"
-    slow = demo_entry("going", demo_model_dir, limits={"max_concurrent_jobs": 1, "max_queued_requests": 8})
+    limits = {"max_concurrent_jobs": 1, "max_queued_requests": 8}
+    slow = demo_entry("going", demo_model_dir, engine=SLOW_ON_CUE, limits=limits)
     write_registry(config, [demo_entry("keep", demo_model_dir), slow], shutdown_grace_s=1)
-    with GatewayProcess(config) as gateway:
+    with GatewayProcess(config, env=TEST_ENGINES) as gateway:
         events: list[str] = []
 
         def stream() -> None:
-            body = {"model": "going", "prompt": "go", "max_tokens": 2000, "ignore_eos": True, "stream": True}
+            body = {"model": "going", "prompt": SLOW_PROMPT, "max_tokens": 2000, "ignore_eos": True,
+                    "stream": True}  # fmt: skip
             with httpx.stream("POST", gateway.url + "/v1/completions", json=body, timeout=60) as response:
                 events.extend(line for line in response.iter_lines() if line.startswith(("data:", "event:")))
 
@@ -232,19 +240,26 @@ def test_reload_ends_a_stream_on_a_changed_model_with_model_reloading(
     """A stream still running on a changed model when the drain grace ends gets "model reloading",
     not "the server is shutting down"; a second reload while one applies is refused with 409."""
     config = tmp_path / "models.yaml"
-    write_registry(config, [demo_entry("m", demo_model_dir)], shutdown_grace_s=1)
-    with GatewayProcess(config) as gateway:
+    write_registry(config, [demo_entry("m", demo_model_dir, engine=SLOW_ON_CUE)], shutdown_grace_s=1)
+    with GatewayProcess(config, env=TEST_ENGINES) as gateway:
         events: list[str] = []
 
         def stream() -> None:
-            body = {"model": "m", "prompt": "go", "max_tokens": 2000, "ignore_eos": True, "stream": True}
+            body = {
+                "model": "m",
+                "prompt": SLOW_PROMPT,
+                "max_tokens": 2000,
+                "ignore_eos": True,
+                "stream": True,
+            }
             with httpx.stream("POST", gateway.url + "/v1/completions", json=body, timeout=60) as response:
                 events.extend(line for line in response.iter_lines() if line.startswith(("data:", "event:")))
 
         runner = threading.Thread(target=stream)
         runner.start()
         wait_in_flight(gateway, "m")
-        write_registry(config, [demo_entry("m", demo_model_dir, max_seq_len=1024)], shutdown_grace_s=1)
+        changed = demo_entry("m", demo_model_dir, engine=SLOW_ON_CUE, max_seq_len=1024)
+        write_registry(config, [changed], shutdown_grace_s=1)
         first = httpx.post(gateway.url + "/admin/reload", timeout=30)
         assert first.status_code == 202 and first.json()["changed"] == ["m"]
         second = httpx.post(gateway.url + "/admin/reload", timeout=30)
