@@ -247,15 +247,23 @@ class RemoteWorkersConfig(_Strict):
 class ResponseStoreConfig(_Strict):
     """Where the Responses API keeps responses stored with `store: true` (and for how long)."""
 
-    backend: Literal["sqlite", "none"] = Field(
-        "sqlite", description="sqlite: a file on this host. none: nothing is stored (store: true is a 400)."
+    backend: Literal["auto", "sqlite", "redis", "none"] = Field(
+        "auto",
+        description="auto: redis when `server.redis_url` is set, else sqlite. sqlite: a file on this host "
+        "(each gateway has its own). redis: the Redis of `server.redis_url`, shared by every gateway "
+        "using it, so a response stored through one gateway is fetched, continued or deleted through "
+        "any (while Redis cannot be reached, requests that store, fetch, continue or delete a response "
+        "are a 503; others go on). none: nothing is stored (store: true is a 400).",
     )
     path: Path = Field(
         Path("~/.local/share/llm-gateway/responses.sqlite3"),
-        description="The SQLite file, relative to the registry file; created at the first stored response.",
+        description="The SQLite file, relative to the registry file; created at the first stored response "
+        "(sqlite only).",
     )
     retention_s: float = Field(
-        30 * 86400.0, gt=0, description="A stored response is deleted this long after it was created."
+        30 * 86400.0,
+        gt=0,
+        description="A stored response is deleted this long after it was created (in Redis, by key expiry).",
     )
     store_by_default: bool = Field(
         False,
@@ -340,7 +348,8 @@ class ServerConfig(_Strict):
         pattern=r"^(redis|rediss|unix)://",
         description="Share per-key rate limits and token budgets with every gateway using this Redis "
         "(redis://host:6379/0, rediss:// for TLS). Unset: each gateway counts its own. While Redis "
-        "cannot be reached, each gateway falls back to its own counts.",
+        "cannot be reached, each gateway falls back to its own counts. Stored responses live there too "
+        "unless `server.responses.backend` says otherwise.",
     )
     redis_key_prefix: str = Field(
         "llm-gateway:", min_length=1, description="Prefix of every Redis key the gateways write."
@@ -348,6 +357,12 @@ class ServerConfig(_Strict):
     responses: ResponseStoreConfig = Field(
         default_factory=ResponseStoreConfig, description="Stored responses of the Responses API."
     )
+
+    @model_validator(mode="after")
+    def _redis_store_needs_url(self) -> ServerConfig:
+        if self.responses.backend == "redis" and self.redis_url is None:
+            raise ValueError("server.responses.backend is redis, but server.redis_url is not set")
+        return self
 
 
 class Registry(_Strict):

@@ -109,7 +109,9 @@ def create_app(registry: Registry) -> Quart:
     app.extensions["metrics"] = GatewayMetrics(gateway, counters.add_usage)
     app.extensions["reloads"] = Reloads(gateway, authenticator.use_registry)
     base = registry.source.parent if registry.source is not None else Path.cwd()
-    app.extensions["response_store"] = open_store(registry.server.responses, base)
+    app.extensions["response_store"] = open_store(
+        registry.server.responses, base, registry.server.redis_url, registry.server.redis_key_prefix
+    )
     # The request id first, so a refused request is logged and answered with one too.
     app.before_request(begin_request)
     app.before_request(BrowserGuard(registry.server, lambda: authenticator.enabled).before_request)

@@ -6,15 +6,17 @@ completion (gateway.http.serving_path), and gateway.http.responses_format writes
 object or its event stream. With `store: true` (or the server's default), the finished response
 and the conversation it ends are kept in the response store (gateway.state) before the client gets
 the last byte, so it can be fetched or continued at once. A stored response belongs to the API key
-that created it: for any other key it is a 404, as a missing one is.
+that created it: for any other key it is a 404, as a missing one is. While the store cannot answer
+(Redis unreachable, a disk error), a request that stores, fetches, continues or deletes a response
+is a 503 `store_unavailable` (a stored one is refused before it is generated); others go on.
 """
 
 from __future__ import annotations
 
 import logging
-import sqlite3
 import time
-from typing import Any
+from collections.abc import Awaitable
+from typing import Any, TypeVar
 
 from quart import Blueprint, current_app, g, jsonify
 from quart_schema import validate_request
@@ -29,11 +31,12 @@ from gateway.reasoning.plan import plan_reasoning
 from gateway.serving.choice_text import TextPlan
 from gateway.serving.outputs import ChoiceInput, ChoiceOutput
 from gateway.serving.router import ModelRoute
-from gateway.state.response_store import ResponseStore, StoredResponse
+from gateway.state.response_store import ResponseStore, StoredResponse, StoreUnavailable
 from wire.params import ChatOptions
 
 logger = logging.getLogger(__name__)
 blueprint = Blueprint("responses", __name__)
+T = TypeVar("T")
 
 
 def response_store() -> ResponseStore | None:
@@ -65,9 +68,16 @@ async def responses(data: ResponsesRequest) -> Any:
                 "this gateway stores no responses (server.responses.backend: none)", param="store"
             )
         keep = False
+    if keep:
+        assert store is not None
+        await _ask(store.check(), "store a response")
     earlier: list[ChatMessage] = []
     if data.previous_response_id is not None:
-        previous = await store.get(data.previous_response_id, key_owner()) if store is not None else None
+        previous = (
+            await _ask(store.get(data.previous_response_id, key_owner()), "continue a response")
+            if store is not None
+            else None
+        )
         if previous is None:
             message = f"Previous response with id '{data.previous_response_id}' not found."
             raise InvalidRequest(message, param="previous_response_id", code="previous_response_not_found")
@@ -88,7 +98,8 @@ async def responses(data: ResponsesRequest) -> Any:
 
             async def keep_response(response: dict[str, Any], output: ChoiceOutput) -> None:
                 turns = [*conversation, {"role": "assistant", "content": output.text}]
-                await _put(store, StoredResponse(response["id"], owner, time.time(), response, turns))
+                record = StoredResponse(response["id"], owner, time.time(), response, turns)
+                await _ask(store.put(record), "store a response")
 
             builder.keep = keep_response
         return Generation(inputs, params, builder, TextPlan(reasoning=reasoning))
@@ -96,17 +107,22 @@ async def responses(data: ResponsesRequest) -> Any:
     return await serve_generation(data.model, plan_for, data.stream, data.timeout)
 
 
-async def _put(store: ResponseStore, record: StoredResponse) -> None:
+async def _ask(call: Awaitable[T], what: str) -> T:
+    """The store's answer; a 503 in the API's error shape (and a log line) when it cannot answer."""
     try:
-        await store.put(record)
-    except (sqlite3.Error, OSError) as exc:
-        logger.error("a response could not be stored: %s", exc)
-        raise ServiceUnavailable("the response could not be stored", code="store_failed") from None
+        return await call
+    except StoreUnavailable as exc:
+        logger.warning("could not %s: the response store is unavailable (%s)", what, exc)
+        raise ServiceUnavailable(
+            f"could not {what}: the response store is unavailable", code="store_unavailable"
+        ) from None
 
 
 async def _stored(response_id: str) -> StoredResponse:
     store = response_store()
-    record = await store.get(response_id, key_owner()) if store is not None else None
+    record = (
+        await _ask(store.get(response_id, key_owner()), "fetch a response") if store is not None else None
+    )
     if record is None:
         raise NotFound(f"Response with id '{response_id}' not found.")
     return record
@@ -122,6 +138,6 @@ async def get_response(response_id: str) -> Any:
 async def delete_response(response_id: str) -> Any:
     """Forget a stored response; later requests cannot continue it."""
     store = response_store()
-    if store is None or not await store.delete(response_id, key_owner()):
+    if store is None or not await _ask(store.delete(response_id, key_owner()), "delete a response"):
         raise NotFound(f"Response with id '{response_id}' not found.")
     return jsonify({"id": response_id, "object": "response", "deleted": True})

@@ -3,7 +3,8 @@
 Runs in the gateway process. Every database call runs on one thread of its own (a one-worker
 executor that owns the connection), never on the event loop; the file is opened on first use, in
 WAL mode, so a gateway that never stores a response never creates it. Rows older than the
-retention are invisible at once and deleted at most once a minute, as responses are stored.
+retention are invisible at once and deleted at most once a minute, as responses are stored. A
+database or disk error leaves as StoreUnavailable.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
-from gateway.state.response_store import StoredResponse
+from gateway.state.response_store import StoredResponse, StoreUnavailable
 
 T = TypeVar("T")
 PURGE_EVERY_S = 60.0
@@ -36,7 +37,10 @@ class SqliteResponseStore:
         self._purged_at = 0.0
 
     async def _run(self, work: Any, *args: Any) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(self._executor, work, *args)
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._executor, work, *args)
+        except (sqlite3.Error, OSError) as exc:
+            raise StoreUnavailable(f"{type(exc).__name__}: {exc}") from exc
 
     def _db(self) -> sqlite3.Connection | None:
         """The connection, opened on first use (on the store's thread, which alone uses it); None
@@ -57,6 +61,9 @@ class SqliteResponseStore:
 
     def _cutoff(self) -> float:
         return time.time() - self.retention_s
+
+    async def check(self) -> None:
+        """Nothing to ask: a local file's errors show when it is written."""
 
     async def put(self, record: StoredResponse) -> None:
         row = (record.id, record.owner, record.created_at, json.dumps(record.response, ensure_ascii=False),

@@ -8,9 +8,6 @@ Redis is stopped (each gateway falls back to its own counts, with a log line) an
 
 from __future__ import annotations
 
-import os
-import shutil
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,8 +15,9 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.harness import GatewayProcess, free_port, wait_until
+from tests.harness import GatewayProcess, wait_until
 from tests.integration.conftest import demo_entry, write_registry
+from tests.redis_server import RedisServer
 
 LIMITED = "limited-0123456789abcd"  # 3 requests a minute, across both gateways
 THRIFTY = "thrifty-0123456789abcd"  # 30 tokens a day, across both gateways
@@ -44,43 +42,6 @@ keys:
     admin: true
     models: ["*"]
 """
-
-
-class RedisServer:
-    def __init__(self, folder: Path) -> None:
-        binary = shutil.which("redis-server")
-        if binary is None:
-            if os.environ.get("CI"):
-                pytest.fail("redis-server is missing: .ci/run installs Debian's redis-server package")
-            pytest.skip("redis-server is not installed (apt-get install redis-server)")
-        self.binary = binary
-        self.folder = folder
-        self.port = free_port()
-        self.process: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> None:
-        args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                "--appendonly", "no", "--dir", str(self.folder)]  # fmt: skip
-        self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        wait_until(self._answers, "redis-server answers PING")
-
-    def _answers(self) -> bool:
-        import redis
-
-        try:
-            return bool(redis.Redis(port=self.port, socket_timeout=0.5).ping())
-        except redis.exceptions.ConnectionError:
-            return False
-
-    def stop(self) -> None:
-        if self.process is not None:
-            self.process.terminate()
-            self.process.wait(10)
-            self.process = None
 
 
 @pytest.fixture(scope="module")

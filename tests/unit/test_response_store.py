@@ -1,15 +1,23 @@
-"""The SQLite response store: kept across instances (a restart), owned by one key, gone after the
-retention or a delete, and no file at all until something is stored."""
+"""The response stores. SQLite: kept across instances (a restart), owned by one key, gone after the
+retention or a delete, and no file at all until something is stored. The backend the configuration
+picks (Redis when `server.redis_url` is set), and a Redis that cannot be reached (its behaviour with
+a real Redis is tests/integration/test_responses_redis.py)."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from pathlib import Path
 
-from gateway.config.registry import ResponseStoreConfig
-from gateway.state.response_store import StoredResponse, open_store
+import pytest
+from pydantic import ValidationError
+
+from gateway.config.registry import ResponseStoreConfig, ServerConfig
+from gateway.state.redis_store import RedisResponseStore
+from gateway.state.response_store import StoredResponse, StoreUnavailable, open_store
 from gateway.state.sqlite_store import SqliteResponseStore
+from tests.harness import free_port
 
 
 def record(response_id: str, owner: str, age_s: float = 0.0) -> StoredResponse:
@@ -46,3 +54,36 @@ def test_the_configured_backend_and_path(tmp_path: Path) -> None:
     assert isinstance(store, SqliteResponseStore) and store.path == tmp_path / "kept.sqlite3"
     asyncio.run(store.close())
     assert open_store(ResponseStoreConfig(backend="none"), tmp_path) is None
+
+
+def test_auto_picks_redis_when_the_server_names_one(tmp_path: Path) -> None:
+    url = "redis://127.0.0.1:1/0"
+    store = open_store(ResponseStoreConfig(), tmp_path, url, "p:")
+    assert isinstance(store, RedisResponseStore) and store.prefix == "p:"
+    asyncio.run(store.close())
+    sqlite = open_store(ResponseStoreConfig(backend="sqlite"), tmp_path, url)
+    assert isinstance(sqlite, SqliteResponseStore)
+    asyncio.run(sqlite.close())
+    assert isinstance(open_store(ResponseStoreConfig(), tmp_path), SqliteResponseStore)
+
+
+def test_a_redis_store_needs_the_server_redis_url() -> None:
+    with pytest.raises(ValidationError, match="server.redis_url is not set"):
+        ServerConfig(responses=ResponseStoreConfig(backend="redis"))
+    assert ServerConfig(redis_url="redis://r:6379/0", responses=ResponseStoreConfig(backend="redis"))
+
+
+def test_an_unreachable_redis_is_store_unavailable_logged_once(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="gateway.state.redis_store")
+    store = RedisResponseStore(f"redis://127.0.0.1:{free_port()}/0", "p:", retention_s=60)
+
+    async def scenario() -> None:
+        for call in (store.check(), store.put(record("resp_1", "a")), store.get("resp_1", "a"),
+                     store.delete("resp_1", "a")):  # fmt: skip
+            with pytest.raises(StoreUnavailable, match="Redis unreachable"):
+                await call
+        await store.close()
+
+    asyncio.run(scenario())
+    warnings = [r for r in caplog.records if r.name == "gateway.state.redis_store"]
+    assert len(warnings) == 1 and "stored responses are unavailable" in warnings[0].getMessage()
