@@ -4,7 +4,7 @@ Runs in the worker process, on the serve loop's thread (the SDK's batch processo
 own thread). Owns the process's tracer provider, built at start-up from the same standard `OTEL_*`
 variables the gateway reads (wire.trace_context.tracing_requested; a spawned worker inherits the
 gateway's environment) and flushed when the process exits, and `JobSpans`: the spans of the live
-jobs whose Generate carried a `traceparent`. A job without one (its gateway does not trace) gets no
+jobs whose Generate (or Embed) carried a `traceparent`. A job without one (its gateway does not trace) gets no
 span, and while tracing is off there is no `JobSpans` at all. The spans follow the OpenTelemetry
 GenAI conventions like the gateway's; a span starts when the Generate arrives and ends when the job
 finishes, is refused, cancelled or aborted. Per step, only the jobs still waiting for their first
@@ -102,19 +102,22 @@ class JobSpans:
         self._tracer = tracer
         self._open: dict[str, _JobSpan] = {}
 
-    def start(self, msg: wire.Generate) -> None:
-        """A Generate arrived; a span for it if it carries the gateway's trace context."""
+    def start(self, msg: wire.Generate | wire.Embed) -> None:
+        """A Generate (or Embed) arrived; a span for it if it carries the gateway's trace context."""
         if msg.traceparent is None:
             return
         parent = _WIRE_FORMAT.extract({"traceparent": msg.traceparent})
-        operation = names.CHAT if msg.messages is not None else names.TEXT_COMPLETION
         attributes: dict[str, Any] = {
-            names.OPERATION: operation,
             names.REQUEST_MODEL: self.model,
             names.RESPONSE_MODEL: self.model,
             "llm_gateway.job_id": msg.rid,
-            **names.request_attributes(msg.params),
         }
+        if isinstance(msg, wire.Embed):
+            operation = names.EMBEDDINGS
+        else:
+            operation = names.CHAT if msg.messages is not None else names.TEXT_COMPLETION
+            attributes.update(names.request_attributes(msg.params))
+        attributes[names.OPERATION] = operation
         span = self._tracer.start_span(
             names.span_name(operation, self.model),
             context=parent,
@@ -148,6 +151,13 @@ class JobSpans:
                     span.set_attribute(names.INPUT_TOKENS, output.usage.prompt_tokens)
                     span.set_attribute(names.OUTPUT_TOKENS, output.usage.completion_tokens)
                 span.end()
+
+    def embedded(self, rid: str, input_tokens: int) -> None:
+        """An Embed was answered."""
+        job = self._open.pop(rid, None)
+        if job is not None:
+            job.span.set_attribute(names.INPUT_TOKENS, input_tokens)
+            job.span.end()
 
     def rejected(self, rid: str, code: str) -> None:
         """The job was refused before it started (a request error, or a worker shutting down)."""

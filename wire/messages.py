@@ -22,9 +22,9 @@ from wire.states import WorkerState
 from wire.stats import EngineInfo, EngineStats, TokenizerInfo
 from wire.trace_context import TraceParent
 
-# Sent in Hello; a gateway refuses a worker that speaks another version. 4: Generate carries the
-# request's trace context (`traceparent`). A version 3 frame still decodes (the field is trailing and
-# optional), but a version 3 worker would refuse every version 4 Generate, so the version says so.
+# Sent in Hello; a gateway refuses a worker that speaks another version. 4: Generate and Embed carry
+# the request's trace context (`traceparent`). A version 3 frame still decodes (the field is trailing
+# and optional), but a version 3 worker would refuse every version 4 Generate, so the version says so.
 PROTOCOL_VERSION = 4
 
 # ---- gateway -> worker -------------------------------------------------------------------------
@@ -74,11 +74,13 @@ class Detokenize(Message, frozen=True):
 
 class Embed(Message, frozen=True):
     """Embed texts or token-id inputs (exactly one is set) with an embedding model; answered by
-    Embeddings, one vector per input in order. The worker batches the inputs of every Embed it has."""
+    Embeddings, one vector per input in order. The worker batches the inputs of every Embed it has.
+    `traceparent` as in Generate."""
 
     rid: str
     texts: list[str] | None
     token_ids: list[list[int]] | None
+    traceparent: TraceParent | None = None
     TAG: ClassVar[str] = "embed"
 
     def __post_init__(self) -> None:

@@ -4,7 +4,8 @@ Runs in the gateway process, on its asyncio loop (the SDK's batch processor expo
 thread). Owns the process's tracer provider, built at startup from the standard `OTEL_*` variables
 (wire.trace_context.tracing_requested) and flushed at shutdown, and `ENABLED`, the module flag a
 request checks once: while it is False (the default) no span is ever created. Owns `RequestSpan`, a
-request's SERVER span after the OpenTelemetry GenAI conventions: named `{operation} {model}`, the
+request's SERVER span (and an embeddings request's) after the OpenTelemetry GenAI conventions:
+named `{operation} {model}`, the
 child of a client's `traceparent` header when it sends one, with the request's parameters when it
 starts and its usage, finish reasons and time to first token when it ends. Nothing is done per
 token: the span is touched when the request starts and when it closes. No prompt or output text is
@@ -96,14 +97,16 @@ class RequestSpan:
         status: int,
         finish_reasons: list[str],
         input_tokens: int,
-        output_tokens: int,
+        output_tokens: int | None,
         ttft_s: float | None,
         error: APIError | None,
     ) -> None:
+        """The request's outcome; `output_tokens` None for an operation without output (embeddings)."""
         span = self.span
         span.set_attribute("http.response.status_code", status)
         span.set_attribute(names.INPUT_TOKENS, input_tokens)
-        span.set_attribute(names.OUTPUT_TOKENS, output_tokens)
+        if output_tokens is not None:
+            span.set_attribute(names.OUTPUT_TOKENS, output_tokens)
         if finish_reasons:
             span.set_attribute(names.FINISH_REASONS, finish_reasons)
         if ttft_s is not None:
@@ -120,22 +123,27 @@ def start_request_span(
     operation: str,
     request_model: str,
     response_model: str,
-    params: SamplingParams,
+    params: SamplingParams | None,
     headers: object,
     streaming: bool,
+    **attributes: Any,
 ) -> RequestSpan | None:
     """The span of a generation request, or None while tracing is off. `headers` are the client's
     (any mapping with a case-insensitive `get`, as the request's are): a `traceparent` among them
-    makes the span its child (the propagators of OTEL_PROPAGATORS, W3C trace context by default)."""
+    makes the span its child (the propagators of OTEL_PROPAGATORS, W3C trace context by default).
+    `params` are a generation's (None for embeddings); `attributes` are the operation's own."""
     if _tracer is None:
         return None
-    attributes: dict[str, Any] = {
-        names.OPERATION: operation,
-        names.REQUEST_MODEL: request_model,
-        names.RESPONSE_MODEL: response_model,
-        "llm_gateway.stream": streaming,
-        **names.request_attributes(params),
-    }
+    attributes.update(
+        {
+            names.OPERATION: operation,
+            names.REQUEST_MODEL: request_model,
+            names.RESPONSE_MODEL: response_model,
+            "llm_gateway.stream": streaming,
+        }
+    )
+    if params is not None:
+        attributes.update(names.request_attributes(params))
     span = _tracer.start_span(
         names.span_name(operation, request_model),
         context=propagate.extract(headers),

@@ -27,6 +27,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 from opentelemetry.proto.trace.v1.trace_pb2 import Span as ProtoSpan
 
+from gateway.demo.embedding_model import make_demo_embedding_model
 from tests.harness import GatewayProcess, wait_until
 from tests.integration.conftest import demo_entry, write_registry
 
@@ -122,12 +123,20 @@ def receiver() -> Iterator[OtlpReceiver]:
 
 
 @pytest.fixture(scope="module")
+def embed_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_demo_embedding_model(tmp_path_factory.mktemp("models") / "demo-embed", seed=2)
+
+
+@pytest.fixture(scope="module")
 def traced_gateway(
-    tmp_path_factory: pytest.TempPathFactory, demo_model_dir: Path, receiver: OtlpReceiver
+    tmp_path_factory: pytest.TempPathFactory, demo_model_dir: Path, embed_dir: Path, receiver: OtlpReceiver
 ) -> Iterator[GatewayProcess]:
     config = write_registry(
         tmp_path_factory.mktemp("traced") / "models.yaml",
-        [demo_entry("demo-small", demo_model_dir, aliases=["small"])],
+        [
+            demo_entry("demo-small", demo_model_dir, aliases=["small"]),
+            demo_entry("demo-embed", embed_dir, task="embed", max_seq_len=512),
+        ],
     )
     env = {
         "OTEL_TRACES_EXPORTER": "otlp",
@@ -253,3 +262,17 @@ def test_a_client_traceparent_is_the_parent_of_the_gateway_span(
         "demo-small",
     )
     assert top.attributes["gen_ai.usage.output_tokens"] == response.json()["usage"]["completion_tokens"]
+
+
+def test_an_embeddings_request_is_traced_in_both_processes(
+    client: openai.OpenAI, receiver: OtlpReceiver, traced_gateway: GatewayProcess
+) -> None:
+    reply = client.embeddings.create(model="demo-embed", input=["one", "two words"], encoding_format="float")
+    top, job = request_trace(receiver, traced_gateway, **{"gen_ai.operation.name": "embeddings"})
+
+    assert top.name == "embeddings demo-embed" and job.name == "embeddings demo-embed"
+    assert job.trace_id == top.trace_id and job.service == "llm-gateway-worker"
+    assert top.attributes["gen_ai.usage.input_tokens"] == job.attributes["gen_ai.usage.input_tokens"]
+    assert top.attributes["gen_ai.usage.input_tokens"] == reply.usage.prompt_tokens
+    assert top.attributes["gen_ai.request.encoding_formats"] == ["float"]
+    assert "gen_ai.usage.output_tokens" not in top.attributes
