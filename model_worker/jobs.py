@@ -69,13 +69,14 @@ class JobDesk:
         return bool(self._parked)
 
     def generate(self, msg: wire.Generate) -> None:
+        if msg.rid in self.live or any(p.message.rid == msg.rid for p in self._parked):
+            # Sent as is: the span under this id (if traced) belongs to the job already running.
+            message = f"request id {msg.rid!r} is already running"
+            self.send(wire.Rejected(msg.rid, RejectCode.DUPLICATE_REQUEST_ID, message, "rid"))
+            return
         if self.spans is not None:
             self.spans.start(msg)
         try:
-            if msg.rid in self.live or any(p.message.rid == msg.rid for p in self._parked):
-                raise RequestRejected(
-                    RejectCode.DUPLICATE_REQUEST_ID, f"request id {msg.rid!r} is already running", "rid"
-                )
             if self.spec.task == "embed":
                 raise RequestRejected(
                     RejectCode.INVALID_REQUEST,

@@ -111,16 +111,8 @@ async def serve_generation(
             operation, model, route.config.name, generation.params, request.headers, stream
         )
     try:
-        owner = gateway.service.open(
-            route,
-            generation.inputs,
-            generation.params,
-            deadline,
-            recorder,
-            stream,
-            generation.text_plan,
-            span,
-        )
+        owner = gateway.service.open(route, generation.inputs, generation.params, deadline, recorder, stream,
+                                     generation.text_plan, span)  # fmt: skip
     except APIError as exc:  # draining: the owner that would have ended the span never existed
         if span is not None:
             span.end(exc.status, [], 0, 0, None, exc)

@@ -1,15 +1,14 @@
-"""OpenTelemetry tracing in the gateway: one span per generation request, parent of its worker spans.
+"""OpenTelemetry tracing in the gateway: one span per request, the parent of its worker spans.
 
 Runs in the gateway process, on its asyncio loop (the SDK's batch processor exports from its own
 thread). Owns the process's tracer provider, built at startup from the standard `OTEL_*` variables
 (wire.trace_context.tracing_requested) and flushed at shutdown, and `ENABLED`, the module flag a
 request checks once: while it is False (the default) no span is ever created. Owns `RequestSpan`, a
-request's SERVER span (and an embeddings request's) after the OpenTelemetry GenAI conventions:
-named `{operation} {model}`, the
-child of a client's `traceparent` header when it sends one, with the request's parameters when it
-starts and its usage, finish reasons and time to first token when it ends. Nothing is done per
-token: the span is touched when the request starts and when it closes. No prompt or output text is
-ever put on a span.
+generation or embeddings request's SERVER span after the OpenTelemetry GenAI conventions: named
+`{operation} {model}`, the child of a client's `traceparent` header when it sends one, with the
+request's parameters when it starts and its usage, finish reasons and time to first token when it
+ends. Nothing is done per token: the span is touched when the request starts and when it closes.
+No prompt or output text is ever put on a span.
 """
 
 from __future__ import annotations
@@ -80,7 +79,8 @@ def stop() -> None:
 
 
 class RequestSpan:
-    """One generation request's span, from its start in the serving path to its owner's close."""
+    """One request's span, from its start in the serving path to its owner's close (a generation)
+    or its answer (embeddings)."""
 
     __slots__ = ("span", "traceparent", "_start_ns")
 
