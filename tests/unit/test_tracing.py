@@ -1,16 +1,19 @@
-"""Tracing's switch and bookkeeping, without a gateway: off by default (nothing created, the SDK never
-imported), which OTEL_* settings turn it on, the trace context field of Generate, and the worker's job
-spans over the SDK's in-memory exporter.
+"""Tracing's switch and bookkeeping, without a gateway process: off by default (nothing created, the
+SDK never imported), which OTEL_* settings turn it on, the trace context field of Generate, the
+worker's job spans, and a request owner's span over the real worker link with scripted workers
+(tests.unit.test_request_owner's rig), all over the SDK's in-memory exporter.
 
 Runs in the pytest process (and, for the import check, in a fresh interpreter it starts).
 """
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 import textwrap
 from collections.abc import Iterator
+from pathlib import Path
 
 import msgpack
 import pytest
@@ -18,8 +21,13 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from gateway.errors import RequestTimeout
+from gateway.observability import tracing as gateway_tracing
+from gateway.observability.metrics import RequestRecorder
+from gateway.serving.outputs import ChoiceInput
 from model_worker.tracing import JobSpans
 from tests.harness import REPO_ROOT
+from tests.unit.test_request_owner import consume, output, rig
 from wire import messages as wire
 from wire.codec import ProtocolError, to_plain
 from wire.params import ChatMessage, SamplingParams
@@ -153,3 +161,72 @@ def test_cancelled_refused_and_aborted_jobs_end_their_spans(
         "left": "worker_exit",
     }
     assert [rid for rid, s in ended.items() if not s.status.is_ok] == ["aborted", "left"]
+
+
+@pytest.fixture
+def gateway_tracer(monkeypatch: pytest.MonkeyPatch) -> Iterator[InMemorySpanExporter]:
+    """The gateway's tracing switched on, its spans kept in memory."""
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    monkeypatch.setattr(gateway_tracing, "_tracer", provider.get_tracer("test"))
+    monkeypatch.setattr(gateway_tracing, "ENABLED", True)
+    yield exporter
+    provider.shutdown()
+
+
+def test_a_traced_request_sends_its_context_and_its_span_ends_with_the_outcome(
+    tmp_path: Path, gateway_tracer: InMemorySpanExporter
+) -> None:
+    client_trace, client_span = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+    headers = {"traceparent": f"00-{client_trace}-{client_span}-01"}
+
+    async def scenario() -> None:
+        async with rig(tmp_path) as r:
+            params = SamplingParams(max_tokens=8)
+            span = gateway_tracing.start_request_span("text_completion", "m", "m", params, headers, True)
+            recorder = RequestRecorder(r.metrics, "m", "/v1/completions")
+            loop = asyncio.get_running_loop()
+            owner = r.service.open(
+                r.route, [ChoiceInput(prompt="hi")], params, loop.time() + 10, recorder, True, None, span
+            )
+            handler = asyncio.create_task(consume(owner))
+            (generate,) = await r.peers["w0"].generates(1, accept=True)
+            assert span is not None and generate.traceparent == span.traceparent
+            await r.peers["w0"].send(wire.Step([output(generate.rid, "a", FinishReason.STOP)]))
+            await asyncio.wait_for(handler, 2)
+
+    asyncio.run(scenario())
+    (span,) = gateway_tracer.get_finished_spans()
+    assert span.name == "text_completion m" and span.parent is not None and span.context is not None
+    assert format(span.context.trace_id, "032x") == client_trace
+    assert format(span.parent.span_id, "016x") == client_span
+    attributes = dict(span.attributes or {})
+    assert attributes["gen_ai.usage.input_tokens"] == 3 and attributes["gen_ai.usage.output_tokens"] == 2
+    assert attributes["gen_ai.response.finish_reasons"] == ("stop",)
+    assert attributes["http.response.status_code"] == 200 and "error.type" not in attributes
+
+
+def test_a_traced_request_that_times_out_says_so_on_its_span(
+    tmp_path: Path, gateway_tracer: InMemorySpanExporter
+) -> None:
+    async def scenario() -> None:
+        async with rig(tmp_path) as r:
+            params = SamplingParams(max_tokens=8)
+            span = gateway_tracing.start_request_span("chat", "m", "m", params, {}, False)
+            recorder = RequestRecorder(r.metrics, "m", "/v1/chat/completions")
+            loop = asyncio.get_running_loop()
+            owner = r.service.open(
+                r.route, [ChoiceInput(prompt="hi")], params, loop.time() + 0.3, recorder, False, None, span
+            )
+            handler = asyncio.create_task(consume(owner))
+            await r.peers["w0"].generates(1, accept=True)
+            with pytest.raises(RequestTimeout):
+                await asyncio.wait_for(handler, 2)
+
+    asyncio.run(scenario())
+    (span,) = gateway_tracer.get_finished_spans()
+    assert span.parent is None  # no client context: a root span
+    attributes = dict(span.attributes or {})
+    assert attributes["error.type"] == "request_timeout" and attributes["http.response.status_code"] == 408
+    assert span.status.is_ok  # a 4xx is not the server's error
