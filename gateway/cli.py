@@ -22,6 +22,7 @@ from gateway.config.placement import check_placement, discover_gpus
 from gateway.config.registry import ConfigError, Registry, load_registry
 from gateway.observability.logging_setup import configure_logging
 from wire.log_format import FORMATS, resolve_format
+from wire.trace_context import tracing_requested
 
 DEFAULT_CONFIG = "config/models.yaml"
 
@@ -231,6 +232,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve":
         # Workers inherit the environment, so their lines come out in the same format.
         os.environ["LOG_FORMAT"] = log_format
+        try:  # the OTEL_* variables are read when serving starts; a bad one stops it here, clearly
+            tracing_requested(os.environ)
+        except ValueError as exc:
+            print(f"config error: {exc}", file=sys.stderr)
+            return 2
     try:
         configure_logging(args.log_level, log_format)
     except ValueError:

@@ -2,7 +2,8 @@
 serve loop goes through the model together.
 
 Runs in the worker process, on the serve loop's thread. Owns the queue of Embed messages and the
-checks their inputs pass (empty, too long, token ids out of range), answered as Rejected.
+checks their inputs pass (empty, too long, token ids out of range), answered as Rejected. While
+tracing is on, each traced Embed's span (model_worker.tracing) runs from its batch to its answer.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from model_worker.engines.base import Embeds, Engine, RequestRejected
+from model_worker.tracing import JobSpans
 from wire import messages as wire
 from wire.params import WorkerSpec
 from wire.results import RejectCode
@@ -18,15 +20,25 @@ from wire.stats import EngineInfo
 
 class EmbeddingBatch:
     def __init__(
-        self, engine: Engine, info: EngineInfo, spec: WorkerSpec, send: Callable[[wire.Message], None]
+        self,
+        engine: Engine,
+        info: EngineInfo,
+        spec: WorkerSpec,
+        send: Callable[[wire.Message], None],
+        spans: JobSpans | None = None,
     ) -> None:
         self.engine, self.info, self.spec, self.send = engine, info, spec, send
+        self.spans = spans  # the worker's job spans while tracing is on (shared with JobDesk)
         self.queue: list[wire.Embed] = []
 
     def run(self) -> None:
         """Every Embed queued so far, as one batch through the model; one Embeddings reply each."""
         batch = list(self.queue)
         self.queue.clear()
+        spans = self.spans
+        if spans is not None:
+            for msg in batch:
+                spans.start(msg)
         embed = self.engine.embed if isinstance(self.engine, Embeds) else None
         accepted: list[tuple[wire.Embed, list[list[int]]]] = []
         for msg in batch:
@@ -40,6 +52,8 @@ class EmbeddingBatch:
                 accepted.append((msg, self._inputs(msg)))
             except RequestRejected as exc:
                 self.send(wire.Rejected(msg.rid, exc.code, exc.message, exc.param))
+                if spans is not None:
+                    spans.rejected(msg.rid, exc.code.value)
         if not accepted:
             return
         assert embed is not None
@@ -49,6 +63,8 @@ class EmbeddingBatch:
             count = len(inputs)
             tokens = sum(len(ids) for ids in inputs)
             self.send(wire.Embeddings(msg.rid, vectors[start : start + count], tokens))
+            if spans is not None:
+                spans.embedded(msg.rid, tokens)
             start += count
 
     def _inputs(self, msg: wire.Embed) -> list[list[int]]:

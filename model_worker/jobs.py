@@ -4,7 +4,8 @@ and the bookkeeping of live jobs between the socket and the engine.
 Runs in the worker process, on the serve loop's thread. Owns the checks a Generate passes before the
 engine sees it (one place for every engine), the scoring pass for prompt logprobs, the jobs parked
 while their output constraint compiles in its own process (the loop keeps stepping every other job
-meanwhile), and the set of live job ids (for cancels and for aborting at shutdown).
+meanwhile), the set of live job ids (for cancels and for aborting at shutdown), and, while tracing is
+on, the jobs' spans (model_worker.tracing), told of each job's start, answer, outputs and end.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 
 import msgspec
 
+from model_worker import tracing
 from model_worker.constraints import ConstraintCompiler
 from model_worker.engines.base import Engine, PreparesConstraints, RequestRejected, ScoresPrompts
 from model_worker.engines.validation import check_job
@@ -46,6 +48,7 @@ class JobDesk:
         self.supported = supported
         self.send = send
         self.live: set[str] = set()
+        self.spans = tracing.job_spans(spec.name) if tracing.ENABLED else None
         self._parked: list[_Parked] = []
         # Prompt logprobs computed at submit, sent with the job's first output.
         self._prompt_logprobs: dict[str, list[TokenLogprob]] = {}
@@ -67,11 +70,14 @@ class JobDesk:
         return bool(self._parked)
 
     def generate(self, msg: wire.Generate) -> None:
+        if msg.rid in self.live or any(p.message.rid == msg.rid for p in self._parked):
+            # Sent as is: the span under this id (if traced) belongs to the job already running.
+            message = f"request id {msg.rid!r} is already running"
+            self.send(wire.Rejected(msg.rid, RejectCode.DUPLICATE_REQUEST_ID, message, "rid"))
+            return
+        if self.spans is not None:
+            self.spans.start(msg)
         try:
-            if msg.rid in self.live or any(p.message.rid == msg.rid for p in self._parked):
-                raise RequestRejected(
-                    RejectCode.DUPLICATE_REQUEST_ID, f"request id {msg.rid!r} is already running", "rid"
-                )
             if self.spec.task == "embed":
                 raise RequestRejected(
                     RejectCode.INVALID_REQUEST,
@@ -85,7 +91,7 @@ class JobDesk:
                 self._parked.append(_Parked(msg, prompt_ids, self.compiler.start(msg.params, self._prepare)))
                 return
         except RequestRejected as exc:
-            self.send(wire.Rejected(msg.rid, exc.code, exc.message, exc.param))
+            self._reject(msg.rid, exc)
             return
         self._start(msg, prompt_ids)
 
@@ -97,7 +103,7 @@ class JobDesk:
                 ready = self.compiler.result(parked.constraint)
             except RequestRejected as exc:
                 self._parked.remove(parked)
-                self.send(wire.Rejected(parked.message.rid, exc.code, exc.message, exc.param))
+                self._reject(parked.message.rid, exc)
                 continue
             if ready:
                 self._parked.remove(parked)
@@ -115,12 +121,17 @@ class JobDesk:
             if params.max_tokens > 0:
                 self.engine.submit(msg.rid, prompt_ids, params)
         except RequestRejected as exc:
-            self.send(wire.Rejected(msg.rid, exc.code, exc.message, exc.param))
+            self._reject(msg.rid, exc)
             return
         self.send(wire.Accepted(msg.rid, len(prompt_ids)))
+        if self.spans is not None:
+            self.spans.accepted(msg.rid, len(prompt_ids))
         if params.max_tokens == 0:  # only the prompt was asked for: the job is over already
             usage = Usage(prompt_tokens=len(prompt_ids), completion_tokens=0)
-            self.send(wire.Step([JobOutput(msg.rid, "", [], FinishReason.LENGTH, usage, None, scored)]))
+            last = JobOutput(msg.rid, "", [], FinishReason.LENGTH, usage, None, scored)
+            if self.spans is not None:
+                self.spans.outputs([last])
+            self.send(wire.Step([last]))
             return
         self.live.add(msg.rid)
         if scored is not None:
@@ -129,6 +140,8 @@ class JobDesk:
     def outputs(self, outputs: list[JobOutput]) -> list[JobOutput]:
         """A step's outputs as they leave: finished jobs forgotten, first outputs with their prompt
         logprobs."""
+        if self.spans is not None:
+            self.spans.outputs(outputs)
         for index, output in enumerate(outputs):
             if output.finish_reason is not None:
                 self.live.discard(output.rid)
@@ -137,7 +150,14 @@ class JobDesk:
                 outputs[index] = msgspec.structs.replace(output, prompt_logprobs=scored)
         return outputs
 
+    def _reject(self, rid: str, exc: RequestRejected) -> None:
+        self.send(wire.Rejected(rid, exc.code, exc.message, exc.param))
+        if self.spans is not None:
+            self.spans.rejected(rid, exc.code.value)
+
     def cancel(self, rid: str) -> bool:
+        if self.spans is not None:
+            self.spans.cancelled(rid)
         self.live.discard(rid)
         self._prompt_logprobs.pop(rid, None)
         self._parked = [p for p in self._parked if p.message.rid != rid]
@@ -149,11 +169,16 @@ class JobDesk:
             self.engine.cancel(rid)
         self.live.clear()
         for parked in self._parked:
-            self.send(wire.Rejected(parked.message.rid, RejectCode.SHUTTING_DOWN, reason, None))
+            self._reject(parked.message.rid, RequestRejected(RejectCode.SHUTTING_DOWN, reason, None))
         self._parked.clear()
         if rids:
             self.send(wire.JobsAborted(rids, AbortReason.SHUTDOWN, reason))
+            if self.spans is not None:
+                for rid in rids:
+                    self.spans.aborted(rid, AbortReason.SHUTDOWN.value)
 
     def close(self) -> None:
+        if self.spans is not None:
+            self.spans.close()
         if self.compiler is not None:
             self.compiler.close()

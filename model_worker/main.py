@@ -149,8 +149,10 @@ def main(argv: list[str] | None = None) -> int:
     if spec.engine == "transformers":
         _route_transformers_logs()
 
+    from model_worker import tracing
     from model_worker.serve_loop import Worker
 
+    tracing.start(args.worker_id, spec.name)  # only when the OTEL_* variables ask for it
     worker = Worker(args.worker_id, args.connect, spec, parent_pid=args.parent_pid, curve=_curve_keys(args))
     # A local worker is drained by its gateway (Shutdown with a grace); a remote one drains itself.
     grace_s = (
@@ -158,7 +160,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     signal.signal(signal.SIGTERM, lambda *_: worker.request_stop(grace_s=grace_s))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the gateway decides
-    return worker.run()
+    try:
+        return worker.run()
+    finally:
+        tracing.stop()  # the last spans are exported before the process exits
 
 
 if __name__ == "__main__":

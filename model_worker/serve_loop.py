@@ -178,7 +178,7 @@ class Worker:
         chat_template = ChatTemplate.for_model(spec.path, spec.chat_template)
         self.prompts = PromptBuilder(engine, chat_template, spec.name)
         self.jobs = JobDesk(engine, self.prompts, self.info, spec, supported, self._send)
-        self.embeddings = EmbeddingBatch(engine, self.info, spec, self._send)
+        self.embeddings = EmbeddingBatch(engine, self.info, spec, self._send, self.jobs.spans)
         load_s = time.monotonic() - started
         logger.info("model loaded in %.1fs", load_s)
         self._move_to(WorkerState.WARMING, "warm-up generation")

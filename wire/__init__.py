@@ -2,6 +2,7 @@
 
 Imported by both processes; imports neither, nor torch or Quart (standard library and msgspec
 only). Owns the typed messages down to their leaves (wire.messages, wire.params, wire.results,
-wire.stats), the frame codec (wire.codec), the worker state table (wire.states) and the log line
-format both processes write (wire.log_format).
+wire.stats), the frame codec (wire.codec), the worker state table (wire.states), the log line
+format both processes write (wire.log_format) and what both agree on about tracing
+(wire.trace_context).
 """

@@ -20,15 +20,20 @@ from wire.params import ChatMessage, ChatOptions, SamplingParams
 from wire.results import AbortReason, JobOutput, RejectCode
 from wire.states import WorkerState
 from wire.stats import EngineInfo, EngineStats, TokenizerInfo
+from wire.trace_context import TraceParent
 
-# Sent in Hello; a gateway refuses a worker that speaks another version.
-PROTOCOL_VERSION = 3
+# Sent in Hello; a gateway refuses a worker that speaks another version. 4: Generate and Embed carry
+# the request's trace context (`traceparent`). A version 3 frame still decodes (the field is trailing
+# and optional), but a version 3 worker would refuse every version 4 Generate, so the version says so.
+PROTOCOL_VERSION = 4
 
 # ---- gateway -> worker -------------------------------------------------------------------------
 
 
 class Generate(Message, frozen=True):
-    """Start one job. Exactly one of prompt, prompt_token_ids, messages is set."""
+    """Start one job. Exactly one of prompt, prompt_token_ids, messages is set. `traceparent`, set
+    only while the gateway traces, is the W3C trace context of the gateway's request span: the
+    worker's span for this job becomes its child (wire.trace_context)."""
 
     rid: str
     prompt: str | None
@@ -36,6 +41,7 @@ class Generate(Message, frozen=True):
     messages: list[ChatMessage] | None
     params: SamplingParams
     chat: ChatOptions | None = None  # with messages: tools and the template's switches
+    traceparent: TraceParent | None = None
     TAG: ClassVar[str] = "gen"
 
     def __post_init__(self) -> None:
@@ -68,11 +74,13 @@ class Detokenize(Message, frozen=True):
 
 class Embed(Message, frozen=True):
     """Embed texts or token-id inputs (exactly one is set) with an embedding model; answered by
-    Embeddings, one vector per input in order. The worker batches the inputs of every Embed it has."""
+    Embeddings, one vector per input in order. The worker batches the inputs of every Embed it has.
+    `traceparent` as in Generate."""
 
     rid: str
     texts: list[str] | None
     token_ids: list[list[int]] | None
+    traceparent: TraceParent | None = None
     TAG: ClassVar[str] = "embed"
 
     def __post_init__(self) -> None:

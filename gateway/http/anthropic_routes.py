@@ -27,6 +27,7 @@ from gateway.serving.outputs import ChoiceInput
 from gateway.serving.router import ModelRoute
 from gateway.tools.plan import ToolPlan, plan_tools
 from wire import messages as wire
+from wire import trace_context
 
 blueprint = Blueprint("anthropic", __name__)
 ANSWER_TIMEOUT_S = 30.0
@@ -97,7 +98,7 @@ async def messages(data: MessagesRequest) -> Any:
         text_plan = TextPlan(stop_sequences=list(data.stop_sequences or []), reasoning=reasoning)
         return Generation(inputs, params, MessagesFormatter(model, plan, thinking.shown), text_plan)
 
-    return await serve_generation(data.model, plan_for, data.stream, data.timeout)
+    return await serve_generation(data.model, plan_for, data.stream, data.timeout, trace_context.CHAT)
 
 
 @blueprint.post("/v1/messages/count_tokens")

@@ -43,6 +43,7 @@ from gateway.http.auth import Authenticator
 from gateway.http.browser_guard import BrowserGuard
 from gateway.http.json_body import JsonRequest
 from gateway.http.request_log import begin_request, end_request, finish_request
+from gateway.observability import tracing
 from gateway.observability.metrics import GatewayMetrics, count_response
 from gateway.reloads import Reloads
 from gateway.state.response_store import open_store
@@ -125,6 +126,7 @@ def create_app(registry: Registry) -> Quart:
 
     @app.before_serving
     async def start_gateway() -> None:
+        tracing.start()  # only when the OTEL_* variables ask for it (its workers read the same ones)
         await counters.start()
         await gateway.link.start()
         gateway.service.start()
@@ -143,6 +145,7 @@ def create_app(registry: Registry) -> Quart:
             await app.extensions["response_store"].close()
         if registry.server.runtime_dir is None:
             shutil.rmtree(runtime_dir, ignore_errors=True)
+        tracing.stop()  # the last spans are exported before the process exits
         logger.info("gateway stopped")
 
     @app.errorhandler(APIError)

@@ -13,16 +13,18 @@ import struct
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
-from quart import Blueprint, jsonify
+from quart import Blueprint, jsonify, request
 from quart_schema import validate_request
 
-from gateway.errors import InvalidRequest
+from gateway.errors import InvalidRequest, as_api_error
 from gateway.http.current import current_gateway
 from gateway.http.schemas import TokenId
 from gateway.http.serving_path import serve_exchange
+from gateway.observability import tracing
 from gateway.observability.logging_setup import set_log_context
 from gateway.observability.metrics import start_request
 from wire import messages as wire
+from wire import trace_context
 
 blueprint = Blueprint("embeddings", __name__)
 MAX_INPUTS = 2048
@@ -78,13 +80,30 @@ async def embeddings(data: EmbeddingRequest) -> Any:
     texts, token_ids = data.inputs()
     size = sum(len(t) // 4 for t in texts or []) + sum(len(ids) for ids in token_ids or [])
     recorder = start_request(route.config.name)  # an error is counted with its status after the route
-    # Through its owner like a generation: a drain, a reload or a shutdown sees it.
-    reply = await serve_exchange(
-        route, lambda rid: wire.Embed(rid, texts, token_ids), data.timeout, slot_work=size
-    )
-    width = len(reply.vectors[0]) if reply.vectors else 0
-    if data.dimensions is not None and data.dimensions != width:
-        raise InvalidRequest(f"dimensions must be this model's {width} (no truncation)", param="dimensions")
+    span = None
+    if tracing.ENABLED:
+        span = tracing.start_request_span(
+            trace_context.EMBEDDINGS, data.model, route.config.name, None, request.headers, False,
+            **{"gen_ai.request.encoding_formats": [data.encoding_format]},
+        )  # fmt: skip
+    traceparent = span.traceparent if span is not None else None
+    try:
+        # Through its owner like a generation: a drain, a reload or a shutdown sees it.
+        reply = await serve_exchange(
+            route, lambda rid: wire.Embed(rid, texts, token_ids, traceparent), data.timeout, slot_work=size
+        )
+        width = len(reply.vectors[0]) if reply.vectors else 0
+        if data.dimensions is not None and data.dimensions != width:
+            raise InvalidRequest(
+                f"dimensions must be this model's {width} (no truncation)", param="dimensions"
+            )
+    except BaseException as exc:
+        if span is not None:
+            error = as_api_error(exc)
+            span.end(error.status, [], 0, None, None, error)
+        raise
+    if span is not None:
+        span.end(200, [], reply.prompt_tokens, None, None, None)
     recorder.finish(200, reply.prompt_tokens)
     return jsonify(
         {

@@ -26,6 +26,7 @@ from gateway.serving.outputs import ChoiceInput
 from gateway.serving.router import ModelRoute
 from gateway.tools.plan import plan_tools
 from wire import messages as wire
+from wire import trace_context
 
 blueprint = Blueprint("openai", __name__)
 ANSWER_TIMEOUT_S = 30.0
@@ -67,7 +68,7 @@ async def chat_completions(data: ChatCompletionRequest) -> Any:
         inputs = [ChoiceInput(messages=messages, chat=options)] * data.n
         return Generation(inputs, params, formatter, TextPlan(reasoning=reasoning))
 
-    return await serve_generation(data.model, plan_for, data.stream, data.timeout)
+    return await serve_generation(data.model, plan_for, data.stream, data.timeout, trace_context.CHAT)
 
 
 @blueprint.post("/v1/completions")
@@ -98,7 +99,9 @@ async def completions(data: CompletionRequest) -> Any:
         )  # fmt: skip
         return Generation(inputs, params, formatter)
 
-    return await serve_generation(data.model, plan_for, data.stream, data.timeout)
+    return await serve_generation(
+        data.model, plan_for, data.stream, data.timeout, trace_context.TEXT_COMPLETION
+    )
 
 
 def check_generation_count(route: ModelRoute, prompts: int, n: int) -> None:

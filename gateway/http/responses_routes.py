@@ -32,6 +32,7 @@ from gateway.serving.choice_text import TextPlan
 from gateway.serving.outputs import ChoiceInput, ChoiceOutput
 from gateway.serving.router import ModelRoute
 from gateway.state.response_store import ResponseStore, StoredResponse, StoreUnavailable
+from wire import trace_context
 from wire.params import ChatOptions
 
 logger = logging.getLogger(__name__)
@@ -104,7 +105,7 @@ async def responses(data: ResponsesRequest) -> Any:
             builder.keep = keep_response
         return Generation(inputs, params, builder, TextPlan(reasoning=reasoning))
 
-    return await serve_generation(data.model, plan_for, data.stream, data.timeout)
+    return await serve_generation(data.model, plan_for, data.stream, data.timeout, trace_context.CHAT)
 
 
 async def _ask(call: Awaitable[T], what: str) -> T:

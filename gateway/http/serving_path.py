@@ -20,11 +20,12 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from quart import Response, jsonify
+from quart import Response, jsonify, request
 
 from gateway.errors import APIError, InvalidRequest
 from gateway.http.auth import may_use
 from gateway.http.current import current_gateway
+from gateway.observability import tracing
 from gateway.observability.logging_setup import set_log_context
 from gateway.observability.metrics import count_fallback, start_request
 from gateway.serving.choice_text import TextPlan
@@ -91,9 +92,12 @@ def generation_route(model: str) -> ModelRoute:
     return route
 
 
-async def serve_generation(model: str, plan_for: PlanFor, stream: bool, timeout: float | None) -> Any:
+async def serve_generation(
+    model: str, plan_for: PlanFor, stream: bool, timeout: float | None, operation: str
+) -> Any:
     """Admit the request on `model` (or on one of its fallbacks) and answer it: one JSON body, or an
-    SSE stream."""
+    SSE stream. `operation` is the GenAI operation the surface performs (chat, text_completion): the
+    name of the request's trace span, when tracing is on."""
     gateway = current_gateway()
     route = generation_route(model)
     generation = await plan_for(route, model)
@@ -101,9 +105,18 @@ async def serve_generation(model: str, plan_for: PlanFor, stream: bool, timeout:
     set_log_context(model=route.config.name)  # the canonical name, on every line of this request
     deadline = gateway.router.deadline_for(route, timeout)
     recorder = start_request(route.config.name)
-    owner = gateway.service.open(
-        route, generation.inputs, generation.params, deadline, recorder, stream, generation.text_plan
-    )
+    span = None
+    if tracing.ENABLED:  # the one check a request makes while tracing is off
+        span = tracing.start_request_span(
+            operation, model, route.config.name, generation.params, request.headers, stream
+        )
+    try:
+        owner = gateway.service.open(route, generation.inputs, generation.params, deadline, recorder, stream,
+                                     generation.text_plan, span)  # fmt: skip
+    except APIError as exc:  # draining: the owner that would have ended the span never existed
+        if span is not None:
+            span.end(exc.status, [], 0, 0, None, exc)
+        raise
     await owner.admit()  # refusals (400, 429, 503, 408) surface here, before any stream opens
     formatter = generation.formatter
     if stream:

@@ -58,6 +58,7 @@ from wire.results import AbortReason, FinishReason, JobOutput, RejectCode
 
 if TYPE_CHECKING:
     from gateway.observability.metrics import RequestRecorder
+    from gateway.observability.tracing import RequestSpan
     from gateway.serving.router import ModelRoute
     from gateway.serving.service import GenerationService
     from gateway.workers.handle import WorkerHandle
@@ -152,12 +153,16 @@ class RequestOwner:
         recorder: RequestRecorder,
         streaming: bool,
         text_plan: TextPlan | None = None,
+        span: RequestSpan | None = None,
     ) -> None:
         self.service = service
         self.route = route
         self.deadline = deadline
         self.recorder = recorder
         self.streaming = streaming
+        # The request's trace span (None while tracing is off); each Generate carries its context.
+        self.span = span
+        self.traceparent = span.traceparent if span is not None else None
         seed = params.seed
         # Distinct choices of one request must not be identical copies: choice i uses seed + i.
         self.choices = [
@@ -258,7 +263,8 @@ class RequestOwner:
         choice.accepted = asyncio.get_running_loop().create_future()
         link.add_job(choice)
         generate = wire.Generate(choice.rid, choice.input.prompt, choice.input.prompt_token_ids,
-                                 choice.input.messages, choice.params, choice.input.chat)  # fmt: skip
+                                 choice.input.messages, choice.params, choice.input.chat,
+                                 self.traceparent)  # fmt: skip
         try:
             frame = wire.encode(generate)
         except ENCODE_ERRORS as exc:
@@ -330,7 +336,9 @@ class RequestOwner:
         choice.rid = uuid.uuid4().hex
         choice.accepted = asyncio.get_running_loop().create_future()
         link.add_job(choice)
-        frame = wire.encode(wire.Generate(choice.rid, None, prompt_token_ids, None, params, None))
+        frame = wire.encode(
+            wire.Generate(choice.rid, None, prompt_token_ids, None, params, None, self.traceparent)
+        )
         choice.sent = link.send_frame(choice.worker_id, frame, is_generate=True)
         if not choice.sent:
             raise WorkerFailed(f"the worker for model '{self.route.config.name}' is unreachable")
@@ -466,3 +474,7 @@ class RequestOwner:
         self.service.requests.discard(self)
         totals = usage_totals(self.outputs)
         self.recorder.finish(self.outcome, totals.prompt_tokens, totals.completion_tokens)
+        if self.span is not None:
+            reasons = [c.finish_reason.value for c in self.outputs if c.finish_reason is not None]
+            self.span.end(self.outcome, reasons, totals.prompt_tokens, totals.completion_tokens,
+                          self.recorder.ttft_s, self.error)  # fmt: skip

@@ -17,6 +17,7 @@ from typing import Protocol
 
 from gateway.errors import APIError, ServiceUnavailable
 from gateway.observability.metrics import RequestRecorder
+from gateway.observability.tracing import RequestSpan
 from gateway.serving.choice_text import TextPlan
 from gateway.serving.exchange_owner import ExchangeOwner
 from gateway.serving.outputs import ChoiceInput
@@ -71,10 +72,11 @@ class GenerationService:
         recorder: RequestRecorder,
         streaming: bool,
         text_plan: TextPlan | None = None,
+        span: RequestSpan | None = None,
     ) -> RequestOwner:
         """A new request's owner; call `admit()` on it next."""
         self._refuse_if_draining()
-        return RequestOwner(self, route, inputs, params, deadline, recorder, streaming, text_plan)
+        return RequestOwner(self, route, inputs, params, deadline, recorder, streaming, text_plan, span)
 
     def open_exchange(self, route: ModelRoute, deadline: float) -> ExchangeOwner:
         """A new one-shot exchange's owner (tokenize, detokenize, embed); call `run()` on it next."""

@@ -174,6 +174,7 @@ def test_a_request_runs_to_its_end_and_gives_everything_back(tmp_path: Path) -> 
             handler = asyncio.create_task(consume(owner))
             first, second = await r.peers["w0"].generates(2, accept=True)
             assert (first.params.seed, second.params.seed) == (5, 6)  # choices are not copies
+            assert owner.span is None and first.traceparent is None  # tracing is off: no span, no context
             await r.peers["w0"].send(wire.Step([output(first.rid, "a"), output(second.rid, "b")]))
             await r.peers["w0"].send(wire.Step([output(first.rid, "c", FinishReason.STOP)]))
             await r.peers["w0"].send(wire.Step([output(second.rid, "d", FinishReason.LENGTH)]))
