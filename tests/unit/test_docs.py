@@ -103,6 +103,16 @@ def anchors(path: Path) -> set[str]:
     return {slug(heading) for heading in HEADING.findall(prose(path))}
 
 
+def test_every_code_block_is_closed() -> None:
+    # An unclosed fence swallows the rest of the page (and would hide its links from the checks below).
+    unclosed = [
+        str(page.relative_to(REPO_ROOT))
+        for page in PAGES
+        if len(re.findall(r"^```", page.read_text(), re.M)) % 2
+    ]
+    assert not unclosed, f"pages with an unclosed code block: {unclosed}"
+
+
 def test_every_relative_link_points_to_a_file_and_heading_that_exist() -> None:
     broken = []
     for page in PAGES:
