@@ -1,11 +1,14 @@
 """MkDocs hooks for the documentation site (`make docs`); a build tool, not part of either process.
 
-Owns two things the pages must not get wrong by hand:
+Owns three things the pages must not get wrong by hand:
 - field tables generated from the pydantic models of the registry and of each engine's settings, so
   their names, defaults and descriptions cannot drift from the code. A page asks for one with a
   line `<!-- fields: module:Class [prefix] -->`;
 - a check that every configuration field a page names in backticks (`server.redis_url`,
-  `limits.priority_aging_s`, `engine_settings.cache_mode`, ...) exists; a missing one fails the build.
+  `limits.priority_aging_s`, `engine_settings.cache_mode`, ...) exists; a missing one fails the build;
+- repository files a page links to outside docs/ (the benchmark plots, `../bench/results/X.png`):
+  the link works where the Markdown is read in the repository, and the build copies the file into
+  the site under `repo/` and points the link there.
 """
 
 from __future__ import annotations
@@ -28,6 +31,9 @@ if str(REPO_ROOT) not in sys.path:
 TABLE_MARKER = re.compile(r"^<!-- fields: ([\w.]+):(\w+)(?: ([\w.]+))? -->$", re.M)
 # Backticked dotted names under these roots are configuration fields and are checked.
 REFERENCE = re.compile(r"`((?:server|limits|defaults|engine_settings|cluster)\.[a-z_][a-z0-9_.]*)`")
+# A link from a top-level page to a repository file outside docs/ (not a page: those stay in docs/).
+REPO_LINK = re.compile(r"\]\(\.\./([\w./-]+\.(?:png|svg|jpg|json|yaml|csv))\)")
+SITE_COPY = "repo/"
 ENGINE_SETTINGS = (
     "model_worker.engines.exllamav2.settings:ExLlamaV2Settings",
     "model_worker.engines.exllamav3.settings:ExLlamaV3Settings",
@@ -112,16 +118,37 @@ def known_fields() -> set[str]:
     return known
 
 
+def repo_links(markdown: str) -> list[str]:
+    """Repository paths (relative to its root) that a top-level page links to outside docs/."""
+    return REPO_LINK.findall(markdown)
+
+
 def render(markdown: str, page_name: str) -> str:
     def table(match: re.Match[str]) -> str:
         return fields_table(match.group(1), match.group(2), match.group(3) or "")
 
     rendered = TABLE_MARKER.sub(table, markdown)
+    for path in repo_links(markdown):
+        if not (REPO_ROOT / path).is_file():
+            raise DocsError(f"{page_name} links to ../{path}, which is not a file of the repository")
+    rendered = REPO_LINK.sub(lambda m: f"]({SITE_COPY}{m.group(1)})", rendered)
     known = known_fields()
     missing = sorted({ref for ref in REFERENCE.findall(markdown) if ref.rstrip(".") not in known})
     if missing:
         raise DocsError(f"{page_name} names configuration fields that do not exist: {', '.join(missing)}")
     return rendered
+
+
+def on_files(files: Any, config: Any) -> Any:
+    """Copy into the site the repository files that pages link to outside docs/."""
+    from mkdocs.structure.files import File
+
+    docs_dir = Path(config["docs_dir"])
+    wanted = {path for page in docs_dir.glob("*.md") for path in repo_links(page.read_text())}
+    for path in sorted(wanted):
+        if (REPO_ROOT / path).is_file():  # a missing one fails in render, naming the page
+            files.append(File.generated(config, SITE_COPY + path, abs_src_path=str(REPO_ROOT / path)))
+    return files
 
 
 def on_page_markdown(markdown: str, page: Any, config: Any, files: Any) -> str:
