@@ -153,7 +153,8 @@ PY
     run_pytest real-model 300 tests/gpu/test_real_model_gpu.py
 }
 two_gpu_tests=(tests/gpu/test_mixed_registry.py tests/gpu/test_gateway_gpu.py::test_models_on_two_gpus_are_pinned
-               tests/gpu/test_gateway_gpu.py::test_one_model_autosplit_over_two_gpus)
+               tests/gpu/test_gateway_gpu.py::test_one_model_autosplit_over_two_gpus
+               tests/gpu/test_gateway_gpu.py::test_exllamav3_over_two_gpus)
 for stage in $stages; do
     case $stage in
         tests) run_pytest tests 420 tests/gpu --ignore tests/gpu/test_mixed_registry.py \

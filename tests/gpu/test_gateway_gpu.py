@@ -257,3 +257,50 @@ def test_first_request_after_ready_is_warm(mode: str, big_model: Path, tmp_path:
     record(f"gateway first vs tenth 8B {mode}", first_s=seconds[0], tenth_s=seconds[9], median_s=median,
            warmup_s=worker.get("warmup_s"), load_s=worker.get("load_s"))  # fmt: skip
     assert seconds[0] <= 1.5 * seconds[9], seconds
+
+
+def _streams_tok_s(url: str, model: str, streams: int, max_tokens: int = 128) -> float:
+    """Total generated tokens per second of `streams` concurrent greedy completions."""
+
+    def one(_: int) -> int:
+        with httpx.Client(base_url=url) as http:
+            body = completion(http, model, max_tokens=max_tokens, ignore_eos=True)
+            return int(body["usage"]["completion_tokens"])
+
+    started = time.perf_counter()
+    with ThreadPoolExecutor(streams) as pool:
+        tokens = sum(pool.map(one, range(streams)))
+    return tokens / (time.perf_counter() - started)
+
+
+@TWO_GPUS
+@pytest.mark.parametrize("split", ["layers", "tensor_parallel"])
+def test_exllamav3_over_two_gpus(split: str, big_model: Path, tmp_path: Path) -> None:
+    """The 8B shape over two GPUs by layers (the registry's gpus list) or tensor-parallel, against
+    the same model on one GPU, at one stream and at 64; both splits must use both GPUs."""
+    require_mode("exllamav3")
+    settings: dict[str, Any] = {"max_seq_len": 4096, "max_chunk_size": 2048, "max_batch_size": 64}
+    if split == "tensor_parallel":
+        settings["tensor_parallel"] = True
+    else:  # the layer split only spills onto the second GPU when the first is (made) full
+        total_gb = torch.cuda.get_device_properties(0).total_memory / 1024**3
+        settings["reserve_vram_gb"] = round(total_gb - 12)
+    one_gpu = {**settings, "tensor_parallel": False, "reserve_vram_gb": 0.0}
+    models = {"one": entry("one", big_model, [0], "exllamav3", **one_gpu),
+              "two": entry("two", big_model, [0, 1], "exllamav3", **settings)}  # fmt: skip
+    expected_log = "tensor-parallel over 2 GPUs" if split == "tensor_parallel" else "layers split over 2 GPUs"
+    figures: dict[str, float] = {}
+    for name, model in models.items():
+        with start(tmp_path / name, [model]) as gw:
+            devices = gw.workers()[0]["info"]["devices"]
+            figures[f"{name}_1"] = _streams_tok_s(gw.url, name, 1)
+            figures[f"{name}_64"] = _streams_tok_s(gw.url, name, 64)
+            if name == "two":
+                used = [d["memory_used_mib"] for d in devices]
+                assert min(used) > 2000, f"the model did not spread over both GPUs: {used} MiB"
+                assert expected_log in gw.log_path.read_text(errors="replace")
+    ratios = {
+        "ratio_1": figures["two_1"] / figures["one_1"],
+        "ratio_64": figures["two_64"] / figures["one_64"],
+    }
+    record(f"exllamav3 8B over two GPUs ({split})", **figures, **ratios)

@@ -105,3 +105,43 @@ def test_exllamav3_accepts_what_it_can_run(tmp_path: Path) -> None:
     settings = ExLlamaV3Settings.model_validate({"max_batch_size": 3}, context={"max_seq_len": 1000})
     assert settings.paged_cache_size(1000) == 3072 and settings.cache_bits() is None
     assert ExLlamaV3Settings.model_validate({"cache_mode": "Q6"}).cache_bits() == 6
+
+
+def test_exllamav3_tensor_parallel_needs_two_gpus_per_replica(tmp_path: Path) -> None:
+    one_gpu = registry(tmp_path, "engine: exllamav3, engine_settings: {tensor_parallel: true}")
+    with pytest.raises(ConfigError) as info:
+        load_registry(one_gpu)
+    message = str(info.value)
+    assert "field 'engine_settings.tensor_parallel'" in message and "at least two GPUs" in message, message
+    two_gpus = tmp_path / "two.yaml"
+    two_gpus.write_text(
+        "models:\n  - {name: m, path: x, gpus: [0, 1], engine: exllamav3,"
+        " engine_settings: {tensor_parallel: true, tp_backend: nccl}}\n"
+    )
+    model = load_registry(two_gpus).models[0]
+    assert model.engine_settings["tensor_parallel"] is True and model.engine_settings["tp_backend"] == "nccl"
+
+
+def test_exllamav3_tp_backend_alone_is_refused(tmp_path: Path) -> None:
+    path = registry(tmp_path, "engine: exllamav3, engine_settings: {tp_backend: nccl}")
+    with pytest.raises(ConfigError) as info:
+        load_registry(path)
+    message = str(info.value)
+    assert "field 'engine_settings.tp_backend'" in message and "only with tensor_parallel" in message, message
+
+
+def test_exllamav3_load_arguments_per_split() -> None:
+    from model_worker.engines.exllamav3.loading import load_arguments
+
+    layers = ExLlamaV3Settings.model_validate({"reserve_vram_gb": 2.0})
+    assert load_arguments(layers) == {"max_chunk_size": 2048, "max_batch_size": 8, "reserve_per_device": 2.0}
+    tensor = ExLlamaV3Settings.model_validate({"tensor_parallel": True, "gpu_split": [20, 20]})
+    assert load_arguments(tensor) == {
+        "max_chunk_size": 2048,
+        "max_batch_size": 8,
+        "use_per_device": [20, 20],
+        "tensor_p": True,
+        "tp_backend": "native",
+    }
+    # A draft model loads with the layer split: tensor parallelism is for the main model.
+    assert "tensor_p" not in load_arguments(tensor, main_model=False)

@@ -52,7 +52,7 @@ class ExLlamaV3Engine(DynamicGeneratorEngine):
         s = self.settings
         if s.draft_path is not None:
             self.draft_model, self.draft_cache = loading.load_model(
-                str(s.draft_path), s, self.cache_size, progress, span=(0.0, 0.15)
+                str(s.draft_path), s, self.cache_size, progress, span=(0.0, 0.15), draft=True
             )
         self.model, self.cache = loading.load_model(
             self.path, s, self.cache_size, progress, span=(0.15 if s.draft_path else 0.0, 0.9)
@@ -92,8 +92,8 @@ class ExLlamaV3Engine(DynamicGeneratorEngine):
         self._logprobs.attach(self.generator, self.model, "forward")
         logger.info(
             "exllamav3 on %s: triton paged attention, cache %d tokens (%d pages of 256, %s), up to %d jobs "
-            "per step, prefill chunks of %d tokens%s", Path(self.path).name, self.cache_size,
-            self.cache_size // 256, s.cache_mode, s.max_batch_size, s.max_chunk_size,
+            "per step, prefill chunks of %d tokens, %s%s", Path(self.path).name, self.cache_size,
+            self.cache_size // 256, s.cache_mode, s.max_batch_size, s.max_chunk_size, self._split_name(),
             f", drafting {self.draft_name()}" if s.drafts else "",
         )  # fmt: skip
         progress("model loaded", 1.0)
@@ -166,6 +166,12 @@ class ExLlamaV3Engine(DynamicGeneratorEngine):
         except ValueError as exc:  # json.JSONDecodeError included; llguidance: "Invalid grammar: ..."
             message = f"the JSON schema cannot be enforced: {str(exc).strip().splitlines()[0][:200]}"
             raise RequestRejected(RejectCode.INVALID_RESPONSE_FORMAT, message, "response_format") from None
+
+    def _split_name(self) -> str:
+        gpus = int(self._torch.cuda.device_count())
+        if self.settings.tensor_parallel:
+            return f"tensor-parallel over {gpus} GPUs ({self.settings.tp_backend})"
+        return f"layers split over {gpus} GPUs" if gpus > 1 else "one GPU"
 
     def _check_result(self, result: dict[str, Any]) -> None:
         if result["stage"] == "error":

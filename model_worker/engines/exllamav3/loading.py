@@ -19,6 +19,7 @@ def load_model(
     cache_size: int,
     progress: ProgressCallback,
     span: tuple[float, float],
+    draft: bool = False,
 ) -> tuple[Any, Any]:
     """One model (EXL3 or unquantized) and its cache of `cache_size` tokens, loaded over the
     visible GPUs (one, or a split: gpu_split GB each, else autosplit leaving reserve_vram_gb free).
@@ -40,13 +41,24 @@ def load_model(
     def on_module(done: int, total: int) -> None:
         progress(f"loading {name}: module {done}/{total}", p0 + (p1 - p0) * done / max(total, 1))
 
-    # The layer-split loader reports each module (the single-device one does not) and, on one GPU,
-    # places everything there; it sizes its scratch for our chunk and batch.
-    # reserve None keeps exllamav3's own default margin (0.5 GB per GPU).
-    split: dict[str, Any] = (
-        {"use_per_device": list(s.gpu_split)}
-        if s.gpu_split
-        else {"reserve_per_device": s.reserve_vram_gb or None}
-    )
-    model.load(callback=on_module, max_chunk_size=s.max_chunk_size, max_batch_size=s.max_batch_size, **split)
+    model.load(callback=on_module, **load_arguments(s, main_model=draft is False))
     return model, cache
+
+
+def load_arguments(settings: ExLlamaV3Settings, main_model: bool = True) -> dict[str, Any]:
+    """What `Model.load` is given besides the progress callback: the split and the scratch sizes.
+
+    The split loaders report each module (the single-device one does not) and, on one GPU, place
+    everything there; they size their scratch for our chunk and batch. A reserve of None keeps
+    exllamav3's own default margin (0.5 GB per GPU). Tensor parallelism applies to the main model
+    only: a draft model is small, and exllamav3 verifies against it from the main model's output device.
+    """
+    s = settings
+    arguments: dict[str, Any] = {"max_chunk_size": s.max_chunk_size, "max_batch_size": s.max_batch_size}
+    if s.gpu_split:
+        arguments["use_per_device"] = list(s.gpu_split)
+    else:
+        arguments["reserve_per_device"] = s.reserve_vram_gb or None
+    if s.tensor_parallel and main_model:
+        arguments.update(tensor_p=True, tp_backend=s.tp_backend)
+    return arguments

@@ -51,6 +51,18 @@ class ExLlamaV3Settings(EngineSettings):
         None, description="GB per GPU that the model may use when split; default autosplit."
     )
     reserve_vram_gb: float = Field(0.0, ge=0.0, description="GB per GPU left free when loading.")
+    tensor_parallel: bool = Field(
+        False,
+        description="Split every layer over all of the replica's GPUs (exllamav3's tensor parallelism, "
+        "one helper process per GPU inside the worker) instead of placing whole layers on each GPU in "
+        "turn (the layer split, the default when a replica has several GPUs). Needs at least two GPUs "
+        "per replica and an architecture exllamav3 can run tensor-parallel.",
+    )
+    tp_backend: Literal["native", "nccl"] = Field(
+        "native",
+        description="How the tensor-parallel GPUs exchange activations: exllamav3's own shared-memory "
+        "transport (native), or NCCL. Only with tensor_parallel.",
+    )
     draft_path: Path | None = Field(None, description="Draft model folder for speculative decoding.")
     ngram_draft: bool = Field(
         False, description="Speculative decoding with n-gram drafts from the context (no draft model)."
@@ -85,6 +97,16 @@ class ExLlamaV3Settings(EngineSettings):
     def _what_exllamav3_accepts(self, info: ValidationInfo) -> ExLlamaV3Settings:
         if self.ngram_draft and self.draft_path is not None:
             raise ValueError("ngram_draft and draft_path are two drafting methods; choose one")
+        if "tp_backend" in self.model_fields_set and not self.tensor_parallel:
+            message = "tp_backend applies only with tensor_parallel: true"
+            raise settings_error(type(self), "tp_backend", message, self.tp_backend)
+        gpu_counts: list[int] = (info.context or {}).get("gpu_counts") or []
+        if self.tensor_parallel and any(count < 2 for count in gpu_counts):
+            message = (
+                f"tensor_parallel needs at least two GPUs per replica (gpus gives {min(gpu_counts)}); "
+                "list two or more in the model's gpus, or remove tensor_parallel"
+            )
+            raise settings_error(type(self), "tensor_parallel", message, self.tensor_parallel)
         if self.max_chunk_size % PAGE_SIZE:
             message = (
                 f"max_chunk_size must be a multiple of {PAGE_SIZE} (exllamav3 prefills whole cache pages), "
