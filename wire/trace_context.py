@@ -42,6 +42,13 @@ def tracing_requested(environ: Mapping[str, str]) -> str | None:
     Raises ValueError for an exporter this project does not ship."""
     if _truthy(environ.get("OTEL_SDK_DISABLED")):
         return None
+    exporter = _exporter(environ)
+    if exporter == "otlp":
+        _check_protocol(environ)
+    return exporter
+
+
+def _exporter(environ: Mapping[str, str]) -> str | None:
     named = [e.strip().lower() for e in environ.get("OTEL_TRACES_EXPORTER", "").split(",") if e.strip()]
     if not named:
         endpoint = environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or environ.get(
@@ -54,6 +61,14 @@ def tracing_requested(environ: Mapping[str, str]) -> str | None:
         given = environ["OTEL_TRACES_EXPORTER"]
         raise ValueError(f"OTEL_TRACES_EXPORTER={given!r}: give one of {', '.join(EXPORTERS)} or none")
     return named[0]
+
+
+def _check_protocol(environ: Mapping[str, str]) -> None:
+    # Only the OTLP/HTTP exporter ships: a grpc request must be refused, not quietly sent over HTTP.
+    for variable in ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL"):
+        given = environ.get(variable, "").strip()
+        if given and given != "http/protobuf":
+            raise ValueError(f"{variable}={given!r}: only http/protobuf is supported (OTLP over HTTP)")
 
 
 # ---- OpenTelemetry GenAI semantic conventions: the attribute names both processes write ---------

@@ -59,6 +59,17 @@ def test_an_exporter_this_project_does_not_ship_is_a_config_error() -> None:
         tracing_requested({"OTEL_TRACES_EXPORTER": "zipkin"})
 
 
+def test_a_transport_this_project_does_not_ship_is_a_config_error() -> None:
+    endpoint = {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4317"}
+    with pytest.raises(ValueError, match="OTEL_EXPORTER_OTLP_PROTOCOL='grpc'"):
+        tracing_requested({**endpoint, "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"})
+    with pytest.raises(ValueError, match="only http/protobuf"):
+        tracing_requested({**endpoint, "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/json"})
+    assert tracing_requested({**endpoint, "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf"}) == "otlp"
+    # Tracing off: the protocol is never used, so it is not judged.
+    assert tracing_requested({"OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"}) is None
+
+
 def test_tracing_off_creates_nothing_and_loads_no_sdk() -> None:
     """A fresh interpreter without OTEL_* variables: both processes' tracing stays off, a request
     gets no span, a worker no job spans, and the SDK and exporter modules are never imported."""
