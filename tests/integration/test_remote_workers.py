@@ -22,9 +22,19 @@ from tests.harness import REPO_ROOT, GatewayProcess, free_port, wait_until
 from tests.integration.conftest import demo_entry, write_registry
 from wire import messages as wire
 
+SLOW_ON_CUE = "test:tests.fault_engines.FaultyEngine"  # "<<slow>>" in a prompt: 0.05 s a step
+TEST_ENGINES = {"GATEWAY_ALLOW_TEST_ENGINES": "1"}
+
 
 class Setup:
-    def __init__(self, root: Path, model_dir: Path, heartbeat_timeout_s: float = 2) -> None:
+    def __init__(
+        self,
+        root: Path,
+        model_dir: Path,
+        heartbeat_timeout_s: float = 2,
+        far_engine: dict[str, str] | None = None,
+    ) -> None:
+        far_engine = far_engine or {}
         self.keys = root / "keys"
         subprocess.run(
             [
@@ -52,7 +62,7 @@ class Setup:
         self.port = free_port()
         self.config = write_registry(
             root / "models.yaml",
-            [demo_entry("local", model_dir), demo_entry("far", model_dir, remote=True)],
+            [demo_entry("local", model_dir), demo_entry("far", model_dir, remote=True, **far_engine)],
             heartbeat_timeout_s=heartbeat_timeout_s,
             remote_workers={
                 "bind": f"tcp://127.0.0.1:{self.port}",
@@ -61,6 +71,7 @@ class Setup:
             },
         )
         self.root = root
+        self.env = {**os.environ, **TEST_ENGINES} if far_engine else None
 
     def worker(self, name: str, key: str, *extra: str) -> subprocess.Popen[bytes]:
         cmd = [
@@ -70,7 +81,7 @@ class Setup:
             "--gateway-public-key", str(self.keys / "gateway.key"), *extra,
         ]  # fmt: skip
         with open(self.root / f"{name}.log", "wb") as log:  # the child keeps its own copy of the fd
-            return subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)
+            return subprocess.Popen(cmd, cwd=REPO_ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT)
 
 
 @pytest.fixture(scope="module")
@@ -211,8 +222,9 @@ def test_tcp_listener_without_authorized_keys_refuses_to_start(setup: Setup, tmp
 def test_a_worker_that_exits_on_sigterm_says_so(tmp_path: Path, demo_model_dir: Path) -> None:
     """No request waits for the heartbeat timeout (30 s here) when a remote worker stops on purpose:
     its last frame tells the gateway, which ends what it held and refuses new requests at once."""
-    setup = Setup(tmp_path, demo_model_dir, heartbeat_timeout_s=30)
-    with GatewayProcess(setup.config, wait_ready=False) as gateway:
+    # Its stream must outlast the 1 s drain grace however fast the machine: the slow cue (0.05 s a step).
+    setup = Setup(tmp_path, demo_model_dir, heartbeat_timeout_s=30, far_engine={"engine": SLOW_ON_CUE})
+    with GatewayProcess(setup.config, wait_ready=False, env=TEST_ENGINES) as gateway:
         gateway.wait_until_live()
         worker = setup.worker("far@leaving", "good", "--shutdown-grace-s", "1", "--log-format", "json")
         try:
@@ -221,7 +233,13 @@ def test_a_worker_that_exits_on_sigterm_says_so(tmp_path: Path, demo_model_dir: 
                 "the remote worker to join",
                 context=gateway.events,
             )
-            body = {"model": "far", "prompt": "go", "max_tokens": 1500, "ignore_eos": True, "stream": True}
+            body = {
+                "model": "far",
+                "prompt": "<<slow>> go",
+                "max_tokens": 1500,
+                "ignore_eos": True,
+                "stream": True,
+            }
             with httpx.stream("POST", gateway.url + "/v1/completions", json=body, timeout=30) as response:
                 lines = response.iter_lines()
                 next(lines)
