@@ -263,3 +263,24 @@ def pid_alive(pid: int) -> bool:
             return stat.read().split(")")[-1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def settled_workers(gateway: GatewayProcess, wanted: list[str] | None = None) -> list[dict[str, Any]]:
+    """The ready workers (or those named) once each is idle in a heartbeat received after this call
+    began. Frames from a worker arrive in order, so such a heartbeat was sent after the last Step of
+    every request already answered: its counters include them all. An idle heartbeat received
+    earlier may predate the last of those jobs (it was admitted and finished between two beats)."""
+
+    def chosen() -> list[dict[str, Any]]:
+        workers = gateway.workers()
+        return [w for w in workers if (w["id"] in wanted if wanted else w["state"] == "ready")]
+
+    seen = {w["id"]: w["heartbeats"] for w in chosen()}
+
+    def settled() -> list[dict[str, Any]] | None:
+        workers = chosen()
+        fresh = all(w["heartbeats"] > seen.get(w["id"], -1) for w in workers)
+        idle = all(w["active_jobs"] == 0 and w["queued_jobs"] == 0 and w["in_flight"] == 0 for w in workers)
+        return workers if workers and fresh and idle else None
+
+    return wait_until(settled, "every worker to be idle in a fresh heartbeat", context=gateway.events)

@@ -46,6 +46,7 @@ class WorkerHandle:
     in_flight: int = 0
     tokens_per_s: float = 0.0
     rate_at: float = 0.0
+    heartbeats: int = 0  # received so far: a count that grows says the stats are newer than a moment
     outstanding_tokens: int = 0  # prompt + max_tokens of its requests in flight: the routing load
     last_used: float = field(default_factory=time.monotonic)
     process: asyncio.subprocess.Process | None = None
@@ -85,6 +86,7 @@ class WorkerHandle:
             self.tokens_per_s += (rate - self.tokens_per_s) * 0.5
         self.rate_at = now
         self.stats = stats
+        self.heartbeats += 1
         if self.step_watch is not None:
             self.step_watch.on_heartbeat(stats, now)
 
@@ -124,4 +126,5 @@ class WorkerHandle:
             "warmup_s": ready.warmup_s if ready else None,
             "chat_template": ready.chat_template if ready else None,
             "stats": as_dict(self.stats),
+            "heartbeats": self.heartbeats,
         }

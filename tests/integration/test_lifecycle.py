@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.harness import GatewayProcess, async_wait_until, pid_alive, wait_until
+from tests.harness import GatewayProcess, async_wait_until, pid_alive, settled_workers, wait_until
 from tests.integration.conftest import demo_entry, write_registry
 
 
@@ -53,8 +53,8 @@ def test_each_model_has_its_own_worker_process(two_model_gateway: GatewayProcess
 @pytest.mark.parametrize("stream", [True, False])
 def test_client_disconnect_cancels_the_job(two_model_gateway: GatewayProcess, stream: bool) -> None:
     gateway = two_model_gateway
-    # Once idle in a heartbeat, the worker's counters include every job before this one.
-    before = wait_until(lambda: idle_medium(gateway), "the worker to be idle", context=gateway.events)
+    # Idle in a heartbeat newer than this line: the counters include every job before this one.
+    (before,) = settled_workers(gateway, [medium_worker(gateway)["id"]])
     body = {
         "model": "demo-medium",
         "prompt": "Keep going",

@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.harness import GatewayProcess, async_wait_until, wait_until
+from tests.harness import GatewayProcess, async_wait_until, settled_workers, wait_until
 from tests.integration.conftest import demo_entry, write_registry
 
 FAULTY = "test:tests.fault_engines.FaultyEngine"
@@ -70,14 +70,8 @@ def is_idle(info: dict[str, Any]) -> bool:
 
 
 def wait_all_idle(gw: GatewayProcess) -> list[dict[str, Any]]:
-    """Every worker idle. Its job counters come in the same heartbeat as its (zero) active jobs, so
-    they include every job of the requests before: a settled snapshot to compare with."""
-
-    def idle() -> list[dict[str, Any]] | None:
-        workers = gw.workers()
-        return workers if all(is_idle(w) for w in workers) else None
-
-    return wait_until(idle, "every worker to be idle", context=gw.events)
+    """Every worker idle in a heartbeat newer than this call: a settled snapshot to compare with."""
+    return settled_workers(gw)
 
 
 def sse_events(response: httpx.Response) -> Iterator[tuple[str | None, str]]:
