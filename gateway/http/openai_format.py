@@ -4,6 +4,13 @@ Runs in the gateway process. Owns the exact JSON shapes OpenAI clients parse: ch
 final responses, usage and logprobs in both the chat and the completions flavour, tool calls
 (read from the text by gateway.tools) and vLLM's prompt logprobs. Pure functions of the choices'
 outputs (gateway.serving) and the Deltas made of the workers' outputs; no I/O.
+
+A stream's chunks are byte for byte what `json.dumps(chunk, separators=(",", ":"),
+ensure_ascii=False)` writes. Per chunk only the choice (and, with continuous usage, the usage) is
+encoded; the envelope around it (id, object, created, model) is encoded once per request. JSON
+without floats is written by msgspec, which escapes every string exactly as `json.dumps` does
+(tests/unit/test_sse_bytes.py); logprobs, whose floats msgspec writes in another notation
+(`1e-05` against `0.00001`), keep the stdlib encoder.
 """
 
 from __future__ import annotations
@@ -11,6 +18,8 @@ from __future__ import annotations
 import json
 import time
 from typing import TYPE_CHECKING, Any
+
+import msgspec
 
 from gateway.errors import APIError
 from gateway.http.serving_path import Formatter
@@ -24,9 +33,23 @@ if TYPE_CHECKING:
 
 SSE_DONE = b"data: [DONE]\n\n"
 
+# json.dumps(..., separators=(",", ":"), ensure_ascii=False), built once instead of per call.
+_JSON = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)
+# The same bytes for anything without floats (strings, ints, None, bools, lists, dicts).
+_PLAIN_JSON = msgspec.json.Encoder()
+
+
+def json_bytes(payload: Any) -> bytes:
+    return _JSON.encode(payload).encode()
+
+
+def plain_json_bytes(payload: Any) -> bytes:
+    """`json_bytes` of a payload that holds no floats (their notation differs), faster."""
+    return _PLAIN_JSON.encode(payload)
+
 
 def sse(payload: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+    return b"data: " + json_bytes(payload) + b"\n\n"
 
 
 def sse_error(body: dict[str, Any]) -> bytes:
@@ -139,6 +162,11 @@ class ResponseFormatter(Formatter):
         self.object = "chat.completion" if chat else "text_completion"
         self._echoed: set[int] = set()  # choices whose echo went out with their first chunk
         self._tool_streams: dict[int, ToolCallStream] = {}
+        # A chunk is `data: {"id":..,"object":..,"created":..,"model":..,"choices":[` + one choice +
+        # `]` + the usage field, if any + `}`: everything but the choice and usage is fixed.
+        head = {"id": self.id, "object": self.object + (".chunk" if chat else ""), "created": self.created,
+                "model": self.model, "choices": []}  # fmt: skip
+        self._chunk_head = b"data: " + json_bytes(head)[:-2]  # without the `]}` that closes it
 
     def _envelope(self, choices: list[dict[str, Any]], chunk: bool) -> dict[str, Any]:
         obj = self.object + (".chunk" if chunk and self.chat else "")
@@ -219,12 +247,17 @@ class ResponseFormatter(Formatter):
         return self._chunk(body, with_usage, usage_now)
 
     def _chunk(self, body: dict[str, Any], with_usage: bool, usage_now: list[ChoiceOutput] | None) -> bytes:
-        envelope = self._envelope([body], chunk=True)
+        """The SSE chunk of one choice's body: what `sse(envelope)` writes, with the envelope's
+        fixed part encoded once. Logprobs hold floats; nothing else in a choice body does."""
+        floats = body["logprobs"] is not None or "prompt_logprobs" in body
+        encoded = json_bytes(body) if floats else plain_json_bytes(body)
         if self.continuous_usage and usage_now is not None:
-            envelope["usage"] = usage_body(usage_now, self.reasoning)
+            tail = b'],"usage":' + plain_json_bytes(usage_body(usage_now, self.reasoning)) + b"}\n\n"
         elif with_usage:
-            envelope["usage"] = None
-        return sse(envelope)
+            tail = b'],"usage":null}\n\n'
+        else:
+            tail = b"]}\n\n"
+        return self._chunk_head + encoded + tail
 
     def _tool_chunks(
         self,
