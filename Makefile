@@ -73,7 +73,10 @@ test-latest:
 	$(PYTHON) -m venv $(LATEST_VENV)
 	$(LATEST_VENV)/bin/python -m pip install -q --upgrade pip
 	$(LATEST_VENV)/bin/python -m pip install -q "$(TORCH)"
-	$(LATEST_VENV)/bin/python -m pip install -q --upgrade --upgrade-strategy eager -e '.[test,bench]'
+	# torch stays pinned: without the constraint the eager upgrade swaps in the newest CUDA build.
+	echo "$(TORCH)" > $(LATEST_VENV)/torch-pin.txt
+	$(LATEST_VENV)/bin/python -m pip install -q --upgrade --upgrade-strategy eager -c $(LATEST_VENV)/torch-pin.txt \
+		-e '.[test,bench]'
 	$(LATEST_VENV)/bin/python -m pip list --format=freeze > $(LATEST_VENV)/versions.txt
 	$(LATEST_VENV)/bin/python -m pytest -q -p no:cacheprovider
 
