@@ -54,26 +54,12 @@ def start(worker_id: str, model: str, environ: Mapping[str, str] = os.environ) -
         return False
     if exporter_name is None:
         return False
-    from opentelemetry.sdk.resources import Resource
-    from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter
-
-    exporter: SpanExporter
-    if exporter_name == "otlp":
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-
-        exporter = OTLPSpanExporter()  # endpoint, headers, timeout, compression: OTEL_EXPORTER_OTLP_*
-    else:
-        exporter = ConsoleSpanExporter()
-    resource = Resource.create(
-        {
-            "service.name": environ.get("OTEL_SERVICE_NAME") or SERVICE_NAME,
-            "service.instance.id": worker_id,
-            "llm_gateway.model": model,
-        }
-    )
-    provider = TracerProvider(resource=resource)
-    provider.add_span_processor(BatchSpanProcessor(exporter))
+    resource = {
+        "service.name": environ.get("OTEL_SERVICE_NAME") or SERVICE_NAME,
+        "service.instance.id": worker_id,
+        "llm_gateway.model": model,
+    }
+    provider = names.build_provider(exporter_name, resource)
     _provider, _tracer, ENABLED = provider, provider.get_tracer(INSTRUMENTATION_SCOPE), True
     logger.info("tracing on: spans exported with the %s exporter", exporter_name)
     return True

@@ -71,6 +71,28 @@ def _check_protocol(environ: Mapping[str, str]) -> None:
             raise ValueError(f"{variable}={given!r}: only http/protobuf is supported (OTLP over HTTP)")
 
 
+def build_provider(exporter_name: str, resource_attributes: dict[str, str]) -> Any:
+    """The SDK's TracerProvider exporting in batches with the named exporter, for either process.
+
+    The SDK and the exporter are imported here, only when tracing is on: a process without it never
+    loads them. The OTLP exporter reads OTEL_EXPORTER_OTLP_* (endpoint, headers, timeout,
+    compression), the sampler OTEL_TRACES_SAMPLER, the batch processor OTEL_BSP_*."""
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter
+
+    exporter: SpanExporter
+    if exporter_name == "otlp":
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+        exporter = OTLPSpanExporter()
+    else:
+        exporter = ConsoleSpanExporter()
+    provider = TracerProvider(resource=Resource.create(resource_attributes))
+    provider.add_span_processor(BatchSpanProcessor(exporter))
+    return provider
+
+
 # ---- OpenTelemetry GenAI semantic conventions: the attribute names both processes write ---------
 
 OPERATION = "gen_ai.operation.name"

@@ -50,21 +50,8 @@ def start(environ: Mapping[str, str] = os.environ) -> bool:
     exporter_name = names.tracing_requested(environ)
     if exporter_name is None:
         return False
-    # Imported only when tracing is on: a gateway without it never loads the SDK or the exporter.
-    from opentelemetry.sdk.resources import Resource
-    from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter
-
-    exporter: SpanExporter
-    if exporter_name == "otlp":
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-
-        exporter = OTLPSpanExporter()  # endpoint, headers, timeout, compression: OTEL_EXPORTER_OTLP_*
-    else:
-        exporter = ConsoleSpanExporter()
-    resource = Resource.create({"service.name": environ.get("OTEL_SERVICE_NAME") or SERVICE_NAME})
-    provider = TracerProvider(resource=resource)  # sampler: OTEL_TRACES_SAMPLER, as the SDK reads it
-    provider.add_span_processor(BatchSpanProcessor(exporter))  # OTEL_BSP_* tune its batches
+    service = {"service.name": environ.get("OTEL_SERVICE_NAME") or SERVICE_NAME}
+    provider = names.build_provider(exporter_name, service)
     _provider, _tracer, ENABLED = provider, provider.get_tracer(INSTRUMENTATION_SCOPE), True
     logger.info("tracing on: spans exported with the %s exporter", exporter_name)
     return True
