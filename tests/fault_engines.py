@@ -8,6 +8,9 @@ so one worker serves healthy and faulty requests side by side:
   <<hang>>      step() blocks for an hour (no steps, no heartbeats)
   <<stall>>     step() keeps returning nothing while jobs are active (wedged generator)
   <<slow>>      each step sleeps FAULT_SLOW_STEP_S (default 0.05 s)
+  <<cue:PATH>>  holds the prompt's fault back (steps run slowly, as with <<slow>>) until the file
+                PATH exists, then fires it at the next step: a test creates the file once it has
+                seen what must come first (a stream's first event), instead of guessing a time
   <<warn>>      a library warns (torch's deprecated set_default_tensor_type, with no effect) and so
                 does the engine, with a two-line message, as the job is submitted
 Environment: FAULT_LOAD_DELAY_S delays load(); FAULT_CRASH_ON_LOAD=1 makes load() fail;
@@ -17,9 +20,11 @@ FAULT_WARMUP_STEP_S slows each warm-up step.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 import warnings
+from pathlib import Path
 
 import torch
 
@@ -32,6 +37,7 @@ from wire.results import JobOutput
 MARKERS = ("crash", "segfault", "hang", "stall", "slow")
 WARNING_MARKER = "<<warn>>"
 FAULT_AFTER_STEPS = 10  # late enough that Accepted has left the process
+CUE = re.compile(r"<<cue:([^>]+)>>")
 
 
 class FaultyEngine(TransformersEngine):
@@ -41,6 +47,7 @@ class FaultyEngine(TransformersEngine):
         super().__init__(path, max_seq_len, settings)
         self._faults: dict[str, str] = {}
         self._steps_since_fault: dict[str, int] = {}
+        self._cues: dict[str, Path] = {}
 
     def load(self, progress: ProgressCallback) -> None:
         delay = float(os.environ.get("FAULT_LOAD_DELAY_S", "0"))
@@ -62,10 +69,13 @@ class FaultyEngine(TransformersEngine):
             if f"<<{marker}>>" in text:
                 self._faults[rid] = marker
                 self._steps_since_fault[rid] = 0
+        if rid in self._faults and (cue := CUE.search(text)):
+            self._cues[rid] = Path(cue.group(1))
         super().submit(rid, prompt_ids, params)
 
     def cancel(self, rid: str) -> bool:
         self._faults.pop(rid, None)
+        self._cues.pop(rid, None)
         return super().cancel(rid)
 
     def step(self) -> list[JobOutput]:
@@ -73,6 +83,12 @@ class FaultyEngine(TransformersEngine):
         if any(rid.startswith("__warmup") for rid in self._running_rids()):
             time.sleep(float(os.environ.get("FAULT_WARMUP_STEP_S", "0")))
         for rid, fault in list(self._faults.items()):
+            cue = self._cues.get(rid)
+            if cue is not None:
+                if not cue.exists():
+                    time.sleep(float(os.environ.get("FAULT_SLOW_STEP_S", "0.05")))
+                    continue
+                self._steps_since_fault[rid] = FAULT_AFTER_STEPS  # the cue came: fire now
             self._steps_since_fault[rid] += 1
             if fault == "slow":  # the injected fault itself: a slow generator step
                 time.sleep(float(os.environ.get("FAULT_SLOW_STEP_S", "0.05")))
@@ -90,6 +106,7 @@ class FaultyEngine(TransformersEngine):
         for output in outputs:
             if output.finish_reason is not None:
                 self._faults.pop(output.rid, None)
+                self._cues.pop(output.rid, None)
         return outputs
 
     def _running_rids(self) -> list[str]:

@@ -98,9 +98,14 @@ def completion(model: str, prompt: str, **extra: object) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("fault", ["segfault", "crash"])
-def test_worker_death_mid_stream_ends_with_error_event(gateway: GatewayProcess, fault: str) -> None:
+def test_worker_death_mid_stream_ends_with_error_event(
+    gateway: GatewayProcess, fault: str, tmp_path: Path
+) -> None:
     wait_ready(gateway, "faulty")
     restarts_before = worker(gateway, "faulty")["restarts"]
+    # The fault fires only once the stream has visibly started: on a loaded machine the worker can
+    # otherwise die before the gateway has answered with its headers, and that request gets a 503.
+    cue = tmp_path / "stream-started"
 
     async def scenario() -> tuple[list[tuple[str | None, str]], str]:
         async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as client:
@@ -108,7 +113,7 @@ def test_worker_death_mid_stream_ends_with_error_event(gateway: GatewayProcess, 
                 client.post("/v1/completions", json=completion("healthy", "fine", max_tokens=200))
             )
             events: list[tuple[str | None, str]] = []
-            body = completion("faulty", f"<<{fault}>> go", stream=True)
+            body = completion("faulty", f"<<{fault}>> <<cue:{cue}>> go", stream=True)
             async with client.stream("POST", "/v1/completions", json=body) as response:
                 assert response.status_code == 200
                 event: str | None = None
@@ -118,6 +123,7 @@ def test_worker_death_mid_stream_ends_with_error_event(gateway: GatewayProcess, 
                     elif line.startswith("data: "):
                         events.append((event, line[6:]))
                         event = None
+                        cue.touch()
             healthy_reply = await healthy
             return events, healthy_reply.json()["choices"][0]["finish_reason"]
 
