@@ -1,8 +1,9 @@
 """The worker's desk for generation jobs: admitting them, holding those whose constraint compiles,
 and the bookkeeping of live jobs between the socket and the engine.
 
-Runs in the worker process, on the serve loop's thread. Owns the checks a Generate passes before the
-engine sees it (one place for every engine), the scoring pass for prompt logprobs, the jobs parked
+Runs in the worker process, on the serve loop's (engine) thread. Takes each Generate as the link
+thread prepared it (model_worker.prompt_desk: its prompt's ids, or why it cannot run). Owns the
+refusal of a request id already running, the scoring pass for prompt logprobs, the jobs parked
 while their output constraint compiles in its own process (the loop keeps stepping every other job
 meanwhile), the set of live job ids (for cancels and for aborting at shutdown), and, while tracing is
 on, the jobs' spans (model_worker.tracing), told of each job's start, answer, outputs and end.
@@ -19,12 +20,10 @@ import msgspec
 from model_worker import tracing
 from model_worker.constraints import ConstraintCompiler
 from model_worker.engines.base import Engine, PreparesConstraints, RequestRejected, ScoresPrompts
-from model_worker.engines.validation import check_job
-from model_worker.prompts import PromptBuilder
+from model_worker.prompt_desk import PreparedJob
 from wire import messages as wire
 from wire.params import WorkerSpec
 from wire.results import AbortReason, FinishReason, JobOutput, RejectCode, TokenLogprob, Usage
-from wire.stats import EngineInfo
 
 
 @dataclass(eq=False)
@@ -38,14 +37,10 @@ class JobDesk:
     def __init__(
         self,
         engine: Engine,
-        prompts: PromptBuilder,
-        info: EngineInfo,
         spec: WorkerSpec,
-        supported: frozenset[str],
         send: Callable[[wire.Message], None],
     ) -> None:
-        self.engine, self.prompts, self.info, self.spec = engine, prompts, info, spec
-        self.supported = supported
+        self.engine, self.spec = engine, spec
         self.send = send
         self.live: set[str] = set()
         self.spans = tracing.job_spans(spec.name) if tracing.ENABLED else None
@@ -69,7 +64,8 @@ class JobDesk:
         """Jobs are parked: the loop must keep turning (briefly) even with nothing to step."""
         return bool(self._parked)
 
-    def generate(self, msg: wire.Generate) -> None:
+    def generate(self, prepared: PreparedJob) -> None:
+        msg = prepared.message
         if msg.rid in self.live or any(p.message.rid == msg.rid for p in self._parked):
             # Sent as is: the span under this id (if traced) belongs to the job already running.
             message = f"request id {msg.rid!r} is already running"
@@ -78,15 +74,10 @@ class JobDesk:
         if self.spans is not None:
             self.spans.start(msg)
         try:
-            if self.spec.task == "embed":
-                raise RequestRejected(
-                    RejectCode.INVALID_REQUEST,
-                    f"model '{self.spec.name}' is an embedding model; use /v1/embeddings",
-                    "model",
-                )
-            prompt_ids = self.prompts.ids(msg.prompt, msg.prompt_token_ids, msg.messages, msg.chat)
-            check_job(prompt_ids, msg.params, self.info.max_seq_len, self.info.vocab_size,
-                      self.supported, self.spec.engine)  # fmt: skip
+            if prepared.rejection is not None:
+                raise prepared.rejection
+            prompt_ids = prepared.prompt_ids
+            assert prompt_ids is not None  # a PreparedJob holds ids or a rejection
             if self.compiler is not None and self.compiler.needed(msg.params):
                 self._parked.append(_Parked(msg, prompt_ids, self.compiler.start(msg.params, self._prepare)))
                 return

@@ -1,15 +1,15 @@
 """Prompts as token ids: plain text, token ids as given, or chat messages through the template.
 
-Runs in the worker process, on the serve loop's thread. Owns the rules for turning a Generate or
-Tokenize message into the ids an engine runs, with the model's own tokenizer and chat template
-(tools and the template's switches included); what cannot be turned into ids is a
-`RequestRejected` that the serve loop answers as Rejected.
+Runs in the worker process, on the link thread (through model_worker.prompt_desk). Owns the rules
+for turning a Generate or Tokenize message into the ids an engine runs, with the model's own
+tokenizer and chat template (tools and the template's switches included); what cannot be turned
+into ids is a `RequestRejected`, answered as Rejected.
 """
 
 from __future__ import annotations
 
 from model_worker.chat_template import ChatTemplate, TemplateError
-from model_worker.engines.base import Engine, RequestRejected
+from model_worker.engines.base import RequestRejected, TextCodec
 from wire.params import ChatMessage, ChatOptions
 from wire.results import RejectCode
 
@@ -17,8 +17,8 @@ _PLAIN_CHAT = ChatOptions()
 
 
 class PromptBuilder:
-    def __init__(self, engine: Engine, chat_template: ChatTemplate | None, model_name: str = "") -> None:
-        self.engine = engine
+    def __init__(self, codec: TextCodec, chat_template: ChatTemplate | None, model_name: str = "") -> None:
+        self.codec = codec
         self.chat_template = chat_template
         self.model_name = model_name
 
@@ -34,7 +34,7 @@ class PromptBuilder:
             return self.chat_ids(messages, chat)
         if prompt_token_ids is not None:
             return list(prompt_token_ids)
-        return self.engine.encode(prompt or "", add_special_tokens=True)
+        return self.codec.encode(prompt or "", add_special_tokens=True)
 
     def chat_ids(self, messages: list[ChatMessage], chat: ChatOptions | None = None) -> list[int]:
         options = chat or _PLAIN_CHAT
@@ -62,4 +62,4 @@ class PromptBuilder:
         except TemplateError as exc:
             raise RequestRejected(RejectCode.INVALID_MESSAGES, str(exc), "messages") from None
         # The template already holds bos and other special tokens.
-        return self.engine.encode(text, add_special_tokens=False)
+        return self.codec.encode(text, add_special_tokens=False)

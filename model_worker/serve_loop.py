@@ -1,9 +1,11 @@
-"""The worker's serve loop: socket in, engine steps, one Step frame out per generator step.
+"""The worker's serve loop: prepared jobs in, engine steps, one Step message out per generator step.
 
-Runs in the worker process, on its main thread: the only thread that touches the engine (the
-exllamav2 generator is not thread-safe). Owns the DEALER socket, the engine, the prompt builder and
+Runs in the worker process, on its main thread, the engine thread: the only thread that touches the
+engine (the exllama generators are not thread-safe), and it does little else. Owns the engine and
 the worker's own lifecycle (starting -> loading -> warming -> ready -> draining -> stopped, checked
-against wire.states). Messages are dispatched by type through a table; generation jobs are admitted
+against wire.states). The DEALER socket is created here and handed to the link thread
+(model_worker.link_thread), which decodes what arrives, prepares prompts and encodes and sends
+every frame. What it passes on is dispatched by type through a table; generation jobs are admitted
 and tracked by model_worker.jobs, embedding requests batched by model_worker.embedding_batch.
 """
 
@@ -23,16 +25,16 @@ from pydantic import ValidationError
 from model_worker.chat_template import ChatTemplate
 from model_worker.embedding_batch import EmbeddingBatch
 from model_worker.engines import registry
-from model_worker.engines.base import Engine, RequestRejected, missing_capabilities
-from model_worker.frame_sender import FrameSender
+from model_worker.engines.base import Engine, missing_capabilities
 from model_worker.handshake_watch import HandshakeWatch
 from model_worker.jobs import JobDesk
-from model_worker.prompts import PromptBuilder
+from model_worker.link_thread import LinkThread
+from model_worker.prompt_desk import PreparedJob, PromptDesk
 from model_worker.step_trace import StepTrace
 from model_worker.tokenizer_info import tokenizer_info
 from model_worker.warmup import warm_up, warm_up_embeddings
 from wire import messages as wire
-from wire.codec import MAX_SOCKET_MESSAGE_BYTES, ProtocolError
+from wire.codec import MAX_SOCKET_MESSAGE_BYTES
 from wire.params import WorkerSpec
 from wire.results import RejectCode
 from wire.states import WorkerState, check_transition
@@ -62,7 +64,6 @@ class Worker:
         self.state = WorkerState.STARTING
         self.engine: Engine | None = None
         self.info: EngineInfo | None = None
-        self.prompts: PromptBuilder | None = None
         self._stop_deadline: float | None = None
         self._stop_requested = False  # SIGTERM or Shutdown: the goodbye says so
         self._ready: wire.Ready | None = None
@@ -77,24 +78,23 @@ class Worker:
         self._sock.setsockopt(zmq.RCVHWM, 10_000)
         # Linger so the final Fatal/Heartbeat frames are flushed when we exit.
         self._sock.setsockopt(zmq.LINGER, 2000)
-        self._sender = FrameSender(self._sock, patience_s=SEND_PATIENCE_S)
         self._handshake: HandshakeWatch | None = None
         if curve is not None:
             # (own public key, own secret key, the gateway's public key): encrypted, and the gateway
             # admits only authorized worker keys.
             self._sock.curve_publickey, self._sock.curve_secretkey, self._sock.curve_serverkey = curve
             self._handshake = HandshakeWatch(self._sock)
-        self._poller = zmq.Poller()
-        self._poller.register(self._sock, zmq.POLLIN)
-        self._handlers: dict[type[wire.Message], Callable[[Any], None]] = {
-            wire.Generate: self._on_generate,
+        self._handlers: dict[type, Callable[[Any], None]] = {
+            PreparedJob: self._on_generate,
             wire.Cancel: self._on_cancel,
-            wire.Tokenize: self._on_tokenize,
-            wire.Detokenize: self._on_detokenize,
             wire.Embed: self._on_embed,
             wire.Shutdown: self._on_shutdown,
             wire.Reintroduce: self._on_reintroduce,
         }
+        # From its start() on, the socket is the link thread's alone. It passes on the messages
+        # handled here; a prepared job stands for each Generate.
+        forward = frozenset(t for t in self._handlers if issubclass(t, wire.Message))
+        self.link = LinkThread(self._sock, patience_s=SEND_PATIENCE_S, forward=forward)
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -105,11 +105,13 @@ class Worker:
         deadline = time.monotonic() + grace_s
         if self._stop_deadline is None or deadline < self._stop_deadline:
             self._stop_deadline = deadline
-        # May run in a signal handler: the socket is touched only by the loop, which sees this flag.
+        # May run in a signal handler: the loop sees this flag, woken from a wait for messages.
         self._announce_draining = True
+        self.link.wake()
 
     def run(self) -> int:
         self._sock.connect(self.endpoint)
+        self.link.start()
         # Before loading anything: a gateway that refuses our key gets a clear exit, not a silent worker.
         if self._handshake is not None and self._handshake.refused(wait_s=10.0):
             logger.error("the gateway at %s refused this worker's CURVE key; exiting", self.endpoint)
@@ -123,7 +125,7 @@ class Worker:
         except BaseException as exc:  # the engine's state is now unknown: report, then exit
             logger.error("fatal: %s", exc)
             logger.debug("fatal traceback:\n%s", traceback.format_exc())
-            self._sender.send_last(wire.encode(wire.Fatal(f"{type(exc).__name__}: {exc}")))
+            self.link.send_last(wire.Fatal(f"{type(exc).__name__}: {exc}"))
             return 1
         finally:
             self._close()
@@ -133,10 +135,12 @@ class Worker:
         """The last frame: the gateway learns at once that this process is gone (LINGER flushes it),
         instead of waiting for its heartbeat timeout. Sent from every exit; the fatal one included."""
         detail = "stopped on request" if self._stop_requested else "exiting"
-        self._sender.send_last(wire.encode(wire.Status(WorkerState.STOPPED, detail, None)))
+        self.link.send_last(wire.Status(WorkerState.STOPPED, detail, None))
 
     def _close(self) -> None:
         self._say_goodbye()
+        # Within the LINGER time the gateway has to take the last frames anyway.
+        socket_released = self.link.close(flush_s=2.0)
         if self.jobs is not None:
             self.jobs.close()
         if self.engine is not None:
@@ -146,8 +150,9 @@ class Worker:
                 logger.debug("engine close failed", exc_info=True)
         if self._handshake is not None:
             self._handshake.close()
-        self._sock.close()
-        self._ctx.term()
+        if socket_released:  # else the link thread still holds it; the process exits without waiting
+            self._sock.close()
+            self._ctx.term()
 
     def _move_to(self, state: WorkerState, detail: str = "", progress: float | None = None) -> None:
         check_transition(self.state, state)
@@ -176,8 +181,7 @@ class Worker:
         self.engine = engine
         self.info = engine.info()
         chat_template = ChatTemplate.for_model(spec.path, spec.chat_template)
-        self.prompts = PromptBuilder(engine, chat_template, spec.name)
-        self.jobs = JobDesk(engine, self.prompts, self.info, spec, supported, self._send)
+        self.jobs = JobDesk(engine, spec, self._send)
         self.embeddings = EmbeddingBatch(engine, self.info, spec, self._send, self.jobs.spans)
         load_s = time.monotonic() - started
         logger.info("model loaded in %.1fs", load_s)
@@ -188,6 +192,9 @@ class Worker:
             warm_s = warm_up(engine, self.info.max_seq_len, spec.warmup_runs)
         # Devices again: memory in use now includes the cache and the warm-up's allocations.
         self.info = engine.info()
+        # The link thread reads the gateway's frames from here on, preparing prompts with a tokenizer
+        # the engine hands out for that thread.
+        self.link.serve_prompts(PromptDesk(engine.text_codec(), chat_template, spec, self.info, supported))
         self._ready = wire.Ready(
             self.info,
             os.getpid(),
@@ -222,13 +229,13 @@ class Worker:
     ) -> None:
         last_heartbeat = 0.0
         interval_s = self.spec.heartbeat_interval_s
-        idle_timeout_ms = int(interval_s * 1000)
+        link, handlers = self.link, self._handlers
         while True:
-            # Never block on the socket while jobs are active; block only when idle (and only
-            # briefly while a job waits for its constraint to compile in the compiler process).
-            timeout_ms = 0 if engine.has_work() else (5 if jobs.waiting else idle_timeout_ms)
-            if self._poller.poll(timeout_ms):
-                self._drain_socket()
+            # Never wait for messages while jobs are active; wait only when idle (and only briefly
+            # while a job waits for its constraint to compile in the compiler process).
+            timeout_s = 0.0 if engine.has_work() else (0.005 if jobs.waiting else interval_s)
+            for item in link.take(timeout_s):
+                handlers[type(item)](item)
             if embeddings.queue:
                 embeddings.run()
             if jobs.waiting:
@@ -268,53 +275,15 @@ class Worker:
                     jobs.abort_all("the server is shutting down")
                     return
 
-    def _drain_socket(self) -> None:
-        while True:
-            try:
-                frame = self._sock.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            try:
-                message = wire.decode(frame)
-            except ProtocolError as exc:
-                logger.warning("dropped a bad frame (%d bytes): %s", len(frame), exc)
-                continue
-            handler = self._handlers.get(type(message))
-            if handler is None:
-                logger.warning("dropped an unexpected %s frame", type(message).__name__)
-                continue
-            handler(message)
-
     # ---- message handlers --------------------------------------------------------------------
 
-    def _on_generate(self, msg: wire.Generate) -> None:
+    def _on_generate(self, prepared: PreparedJob) -> None:
         assert self.jobs is not None
         if self.state is not WorkerState.READY:
-            self._send(wire.Rejected(msg.rid, RejectCode.SHUTTING_DOWN, "the model is shutting down", None))
+            rid = prepared.message.rid
+            self._send(wire.Rejected(rid, RejectCode.SHUTTING_DOWN, "the model is shutting down", None))
             return
-        self.jobs.generate(msg)
-
-    def _on_tokenize(self, msg: wire.Tokenize) -> None:
-        assert self.engine is not None and self.prompts is not None
-        try:
-            if msg.messages is not None:
-                ids = self.prompts.chat_ids(msg.messages, msg.chat)
-            else:
-                ids = self.engine.encode(msg.prompt or "", add_special_tokens=msg.add_special_tokens)
-        except RequestRejected as exc:
-            self._send(wire.Rejected(msg.rid, exc.code, exc.message, exc.param))
-            return
-        self._send(wire.Tokens(msg.rid, ids, ""))
-
-    def _on_detokenize(self, msg: wire.Detokenize) -> None:
-        assert self.engine is not None and self.info is not None
-        vocab = self.info.vocab_size
-        bad = [t for t in msg.token_ids if t < 0 or (vocab and t >= vocab)]
-        if bad:
-            message = f"token ids out of range: {bad[:5]}"
-            self._send(wire.Rejected(msg.rid, RejectCode.INVALID_TOKENS, message, "tokens"))
-            return
-        self._send(wire.Tokens(msg.rid, list(msg.token_ids), self.engine.decode(list(msg.token_ids))))
+        self.jobs.generate(prepared)
 
     def _on_embed(self, msg: wire.Embed) -> None:
         assert self.embeddings is not None
@@ -337,6 +306,6 @@ class Worker:
     # ---- sending -------------------------------------------------------------------------------
 
     def _send(self, message: wire.Message) -> None:
-        # Never dropped: a Step can carry a job's end. A gateway that reads nothing for a heartbeat
-        # timeout makes this raise, which is fatal for the worker (model_worker.frame_sender).
-        self._sender.send(wire.encode(message))
+        # Never dropped: a Step can carry a job's end. A gateway that takes nothing for the patience
+        # makes this raise, which is fatal for the worker (model_worker.link_thread).
+        self.link.send(message)

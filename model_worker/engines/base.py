@@ -3,9 +3,10 @@
 Imported in the worker process (and, for the settings base only, by `model_worker.settings_check`,
 which the gateway runs at config time; nothing here imports torch). An engine owns exactly one
 model, one generator and one cache, and is driven by one thread: the serve loop calls `submit`,
-`cancel` and `step` between socket polls, never concurrently. Engine result dictionaries stay
-inside each engine's folder; the serve loop only sees the wire types (JobOutput, EngineStats,
-EngineInfo) and `RequestRejected`.
+`cancel` and `step`, never concurrently. Only the tokenizer it hands out (`text_codec`) is used on
+another thread, the worker's link thread. Engine result dictionaries stay inside each engine's
+folder; the serve loop only sees the wire types (JobOutput, EngineStats, EngineInfo) and
+`RequestRejected`.
 """
 
 from __future__ import annotations
@@ -82,7 +83,15 @@ def context_max_seq_len(context: Any) -> int | None:
     return int(value) if isinstance(value, int) and value > 0 else None
 
 
-class Engine(Protocol):
+class TextCodec(Protocol):
+    """The model's tokenizer, as the prompt side of a worker uses it."""
+
+    def encode(self, text: str, add_special_tokens: bool) -> list[int]: ...
+
+    def decode(self, token_ids: list[int]) -> str: ...
+
+
+class Engine(TextCodec, Protocol):
     """The narrow surface every engine implements. Adding an engine is a folder and a registry line."""
 
     def load(self, progress: ProgressCallback) -> None:
@@ -92,6 +101,11 @@ class Engine(Protocol):
         """Tokenize with the model's own tokenizer."""
 
     def decode(self, token_ids: list[int]) -> str: ...
+
+    def text_codec(self) -> TextCodec:
+        """The tokenizer for the worker's link thread, which renders and tokenizes prompts while
+        this engine steps (called once, after load): an instance of its own where sharing one
+        across threads is unsafe."""
 
     def submit(self, rid: str, prompt_ids: list[int], params: SamplingParams) -> None:
         """Queue a job that passed the shared checks (engines.validation); RequestRejected if this

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from model_worker.devices import gpu_memory_used_bytes
-from model_worker.engines.base import RequestRejected
+from model_worker.engines.base import RequestRejected, TextCodec
 from model_worker.engines.generator_results import PartialOutput, TakeEntries, add_tokens, finish
 from model_worker.engines.gpu_logprobs import StepLogprobs
 from model_worker.engines.token_texts import TokenTexts
@@ -83,6 +83,11 @@ class DynamicGeneratorEngine:
         if not token_ids:
             return ""
         return str(self.tokenizer.decode(self._torch.tensor(token_ids, dtype=self._torch.long)))
+
+    def text_codec(self) -> TextCodec:
+        # Shared, not copied: exllama's tokenizers change no state in encode or decode (their Rust
+        # calls run under the GIL), and a second one would rebuild every piece table.
+        return self
 
     def draft_name(self) -> str:
         s = self.settings

@@ -18,7 +18,8 @@ import torch
 import transformers
 
 from model_worker.devices import cuda_devices, gpu_memory_used_bytes
-from model_worker.engines.base import ProgressCallback, RequestRejected
+from model_worker.engines.base import ProgressCallback, RequestRejected, TextCodec
+from model_worker.engines.transformers.codec import TokenizerCodec
 from model_worker.engines.transformers.settings import TransformersSettings
 from wire.params import SamplingParams
 from wire.results import JobOutput, RejectCode, TokenLogprob
@@ -56,10 +57,13 @@ class EmbeddingEngine:
         progress("loaded", 1.0)
 
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
-        return list(self._model.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+        return TokenizerCodec(self._model.tokenizer).encode(text, add_special_tokens)
 
     def decode(self, token_ids: list[int]) -> str:
-        return str(self._model.tokenizer.decode(token_ids, skip_special_tokens=True))
+        return TokenizerCodec(self._model.tokenizer).decode(token_ids)
+
+    def text_codec(self) -> TextCodec:
+        return TokenizerCodec(self._model.tokenizer).copy()
 
     def embed(self, inputs: list[list[int]]) -> list[list[float]]:
         """One vector per input, in order, through the model's own modules (pooling, Normalize)."""

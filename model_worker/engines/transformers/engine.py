@@ -21,7 +21,7 @@ import torch
 import transformers
 
 from model_worker.devices import cuda_devices, gpu_memory_used_bytes
-from model_worker.engines.base import ProgressCallback
+from model_worker.engines.base import ProgressCallback, TextCodec
 from model_worker.engines.prompt_scoring import first_entry, score_rows
 from model_worker.engines.structured_output import (
     JsonConstraint,
@@ -30,6 +30,7 @@ from model_worker.engines.structured_output import (
     wants_json,
 )
 from model_worker.engines.token_texts import TokenTexts
+from model_worker.engines.transformers.codec import TokenizerCodec
 from model_worker.engines.transformers.sampling import JobSampler
 from model_worker.engines.transformers.settings import TransformersSettings
 from model_worker.engines.validation import completion_budget
@@ -75,6 +76,7 @@ class TransformersEngine:
         self.settings = settings
         self._model: Any = None
         self._tokenizer: Any = None
+        self._codec: Any = None  # a TokenizerCodec once loaded
         self._device = torch.device("cpu")
         self._cache_kwarg = "past_key_values"
         self._vocab_size = 0
@@ -105,6 +107,7 @@ class TransformersEngine:
         config = AutoConfig.from_pretrained(path)
         dtype = self._resolve_dtype(config)
         self._tokenizer = AutoTokenizer.from_pretrained(path)
+        self._codec = TokenizerCodec(self._tokenizer)
         placement: dict[str, Any] = {}
         if self._device.type == "cuda" and importlib.util.find_spec("accelerate") is not None:
             # Straight onto the GPU, so the host never holds a second copy of a large model.
@@ -177,10 +180,13 @@ class TransformersEngine:
     # -- tokenizer -------------------------------------------------------------------------------
 
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
-        return list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens))
+        return self._codec.encode(text, add_special_tokens)  # type: ignore[no-any-return]
 
     def decode(self, token_ids: list[int]) -> str:
-        return str(self._tokenizer.decode(token_ids, skip_special_tokens=True))
+        return self._codec.decode(token_ids)  # type: ignore[no-any-return]
+
+    def text_codec(self) -> TextCodec:
+        return self._codec.copy()  # type: ignore[no-any-return]
 
     # -- jobs ------------------------------------------------------------------------------------
 

@@ -1,0 +1,280 @@
+"""The worker's link thread: the one thread that touches the DEALER socket while the worker runs.
+
+Runs in the worker process, on its own thread beside the engine thread (model_worker.serve_loop).
+Owns the socket from `start()` to `close()`: it reads and decodes every frame from the gateway,
+prepares generation prompts (chat template, tokenizer and the shared checks, through
+model_worker.prompt_desk) and answers Tokenize and Detokenize itself, so that none of that work
+stalls the engine's steps. Everything else the engine thread takes from `take()`, in arrival order.
+Frames to the gateway are handed over as messages by `send()` and encoded and sent here.
+
+Nothing is ever dropped: when ZeroMQ's queue to the gateway is full, the frame waits here and
+`send()` waits once the bounded hand-over queue is full too (backpressure: the engine pauses while
+the gateway catches up). A gateway that takes nothing for `patience_s` is gone or wedged, and the
+link fails loudly (PeerUnresponsive), as does any error on this thread: the engine thread raises it
+at its next call, which is fatal for the worker, so the gateway's liveness checks end its requests.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import zmq
+
+from wire import messages as wire
+from wire.codec import ProtocolError
+
+if TYPE_CHECKING:
+    from model_worker.prompt_desk import PromptDesk
+
+logger = logging.getLogger(__name__)
+
+# Messages waiting for this thread to encode them: at one Step frame per engine step, minutes of
+# output; past it the engine waits (backpressure).
+MAX_OUTBOUND = 4096
+_WAKE = object()  # an inbound item that only wakes the engine thread (a stop was requested)
+
+
+class PeerUnresponsive(RuntimeError):
+    """The gateway has not taken a frame for the whole patience: nothing more can be sent."""
+
+
+class _LinkFailed:
+    """The inbound item that tells the engine thread the link thread has stopped on an error."""
+
+
+class LinkThread:
+    def __init__(self, sock: zmq.Socket, patience_s: float, forward: frozenset[type[wire.Message]]) -> None:
+        self._sock = sock
+        self._forward = forward  # the message types the engine thread takes as they are
+        self.patience_s = patience_s
+        self.waits = 0  # how often a frame found the queue to the gateway full (a pause, never a loss)
+        self.failure: BaseException | None = None
+        self._inbound: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._outbound: queue.Queue[wire.Message] = queue.Queue(MAX_OUTBOUND)
+        self._replies: collections.deque[wire.Message] = collections.deque()  # this thread's own
+        self._pending: bytes | None = None  # an encoded frame ZeroMQ had no room for yet
+        self._pending_since = 0.0
+        self._desk: PromptDesk | None = None
+        self._stopping = False
+        # The doorbell: the engine thread writes a byte after each hand-over, this thread polls it
+        # beside the socket (a socket must not be shared between threads, a pipe may).
+        self._bell_read, self._bell_write = os.pipe()
+        os.set_blocking(self._bell_read, False)
+        os.set_blocking(self._bell_write, False)
+        self._thread = threading.Thread(target=self._run, name="worker-link", daemon=True)
+        self._handlers: dict[type[wire.Message], Callable[[Any], None]] = {
+            wire.Generate: self._on_generate,
+            wire.Tokenize: self._on_tokenize,
+            wire.Detokenize: self._on_detokenize,
+        }
+
+    # ---- the engine thread's side ------------------------------------------------------------
+
+    def start(self) -> None:
+        """From now on only this thread uses the socket, until close() returns."""
+        self._thread.start()
+
+    def serve_prompts(self, desk: PromptDesk) -> None:
+        """Start reading the gateway's frames (until now they wait in the socket): the model is
+        loaded, so prompts can be prepared."""
+        self._desk = desk
+        self._ring()
+
+    def send(self, message: wire.Message) -> None:
+        """Hand a message over for sending; waits while the hand-over queue is full. Raises the
+        link's failure, or PeerUnresponsive when no room came within the patience."""
+        self.check()
+        try:
+            self._outbound.put_nowait(message)
+        except queue.Full:
+            self._wait_for_room(message)
+        self._ring()
+
+    def send_last(self, message: wire.Message) -> None:
+        """A message sent on the way out (Fatal, goodbye): best effort, since the process's exit is
+        itself seen by the gateway; waiting here would only delay that."""
+        try:
+            self._outbound.put_nowait(message)
+        except queue.Full:
+            logger.warning("send queue to the gateway is full; the last frame is not sent")
+            return
+        self._ring()
+
+    def take(self, timeout_s: float) -> list[Any]:
+        """What arrived for the engine thread, oldest first (prepared jobs and wire messages);
+        waits up to timeout_s for the first item. Raises the link's failure."""
+        items: list[Any] = []
+        inbound = self._inbound
+        if timeout_s <= 0 and inbound.empty():
+            return items
+        try:
+            item = inbound.get(timeout=timeout_s) if timeout_s > 0 else inbound.get_nowait()
+            while True:
+                if isinstance(item, _LinkFailed):
+                    self.check()
+                if item is not _WAKE:
+                    items.append(item)
+                item = inbound.get_nowait()
+        except queue.Empty:
+            return items
+
+    def wake(self) -> None:
+        """Ends a take() that waits; safe in a signal handler (SimpleQueue.put is reentrant)."""
+        self._inbound.put(_WAKE)
+
+    def check(self) -> None:
+        if self.failure is not None:
+            raise self.failure
+
+    def close(self, flush_s: float) -> bool:
+        """Send what is queued (for up to flush_s) and stop the thread; True once the socket is the
+        caller's again. A thread that stopped on an error leaves its frames to be tried here."""
+        self._stopping = True
+        self._ring()
+        if self._thread.is_alive():
+            self._thread.join(flush_s)
+        if self._thread.is_alive():
+            logger.warning("frames to the gateway were still waiting after %.1fs; not sent", flush_s)
+            return False
+        self._send_leftovers()  # a thread that ended on an error (or never ran) may have left some
+        os.close(self._bell_read)
+        os.close(self._bell_write)
+        return True
+
+    def _wait_for_room(self, message: wire.Message) -> None:
+        self.waits += 1
+        if self.waits == 1 or self.waits % 100 == 0:
+            logger.warning("send queue to the gateway is full; waiting for it (%d times so far)", self.waits)
+        deadline = time.monotonic() + self.patience_s
+        while (left := deadline - time.monotonic()) > 0:
+            self.check()
+            try:
+                self._outbound.put(message, timeout=min(left, 0.25))
+                return
+            except queue.Full:
+                continue
+        raise PeerUnresponsive(f"the gateway took no frame for {self.patience_s:g}s")
+
+    def _ring(self) -> None:
+        try:
+            os.write(self._bell_write, b"\0")
+        except BlockingIOError:  # the pipe is full of rings already: this thread will look anyway
+            pass
+
+    # ---- the link thread -----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as exc:  # every error here is the worker's end: the engine thread raises it
+            self.failure = exc
+            self._inbound.put(_LinkFailed())
+
+    def _loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._bell_read, zmq.POLLIN)
+        watched = 0
+        while True:
+            wanted = (zmq.POLLIN if self._desk is not None else 0) | (
+                zmq.POLLOUT if self._pending is not None else 0
+            )
+            if wanted != watched:
+                if wanted:
+                    poller.register(self._sock, wanted)
+                else:
+                    poller.unregister(self._sock)
+                watched = wanted
+            # A frame waiting for room is retried at least every 100 ms, to judge the patience.
+            events = dict(poller.poll(100 if self._pending is not None else 1000))
+            if self._bell_read in events:
+                self._clear_bell()
+            if events.get(self._sock, 0) & zmq.POLLIN:
+                self._receive()
+            self._flush()
+            if self._stopping and self._pending is None and not self._replies and self._outbound.empty():
+                return
+
+    def _clear_bell(self) -> None:
+        try:
+            while os.read(self._bell_read, 4096):
+                pass
+        except BlockingIOError:
+            pass
+
+    def _receive(self) -> None:
+        while True:
+            try:
+                frame = self._sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                message = wire.decode(frame)
+            except ProtocolError as exc:
+                logger.warning("dropped a bad frame (%d bytes): %s", len(frame), exc)
+                continue
+            handler = self._handlers.get(type(message))
+            if handler is not None:
+                handler(message)
+            elif type(message) in self._forward:  # cancels, embeddings, shutdown, reintroduce
+                self._inbound.put(message)
+            else:
+                logger.warning("dropped an unexpected %s frame", type(message).__name__)
+
+    def _on_generate(self, msg: wire.Generate) -> None:
+        assert self._desk is not None  # frames are read only once the desk is set
+        self._inbound.put(self._desk.prepare(msg))
+
+    def _on_tokenize(self, msg: wire.Tokenize) -> None:
+        assert self._desk is not None
+        self._replies.append(self._desk.tokenize(msg))
+
+    def _on_detokenize(self, msg: wire.Detokenize) -> None:
+        assert self._desk is not None
+        self._replies.append(self._desk.detokenize(msg))
+
+    def _flush(self) -> None:
+        """Hand every queued frame to ZeroMQ, in order, until its queue is full."""
+        while True:
+            if self._pending is None:
+                message = self._next_message()
+                if message is None:
+                    return
+                self._pending = wire.encode(message)
+                self._pending_since = 0.0
+            try:
+                self._sock.send(self._pending, zmq.NOBLOCK)
+            except zmq.Again:
+                now = time.monotonic()
+                if not self._pending_since:
+                    self._pending_since = now
+                    self.waits += 1
+                elif now - self._pending_since > self.patience_s:
+                    raise PeerUnresponsive(f"the gateway took no frame for {self.patience_s:g}s") from None
+                return
+            self._pending = None
+
+    def _next_message(self) -> wire.Message | None:
+        if self._replies:
+            return self._replies.popleft()
+        try:
+            return self._outbound.get_nowait()
+        except queue.Empty:
+            return None
+
+    def _send_leftovers(self) -> None:
+        """On this (the engine) thread after the link thread died: what can go out without waiting."""
+        try:
+            if self._pending is not None:
+                self._sock.send(self._pending, zmq.NOBLOCK)
+                self._pending = None
+            while (message := self._next_message()) is not None:
+                self._sock.send(wire.encode(message), zmq.NOBLOCK)
+        except (zmq.ZMQError, ValueError, TypeError):  # a full queue, or the frame that failed here
+            logger.warning("the last frames to the gateway could not be sent")
