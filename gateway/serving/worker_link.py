@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import zmq
 import zmq.asyncio
@@ -223,16 +223,18 @@ class WorkerLink:
         """Send an encoded message; False when the worker cannot be reached now."""
         if is_generate:
             self.last_job_sent[worker_id] = time.monotonic()
-        try:
-            # Local ids live on the ipc socket only; anything else can only be a remote worker.
-            local = worker_id in self._local_ids or self._remote_sock is None
-            sock = self._sock if local else self._remote_sock
-            assert sock is not None
-            sock.send_multipart([worker_id.encode(), frame], zmq.NOBLOCK)
-            return True
-        except zmq.ZMQError as exc:  # EHOSTUNREACH (worker gone) or EAGAIN (worker not reading)
-            logger.warning("could not send a frame to worker %s: %s", worker_id, exc)
+        # Local ids live on the ipc socket only; anything else can only be a remote worker.
+        local = worker_id in self._local_ids or self._remote_sock is None
+        sock = self._sock if local else self._remote_sock
+        assert sock is not None
+        # A NOBLOCK send on an asyncio socket is tried at once; its error (EHOSTUNREACH: the worker
+        # is gone; EAGAIN: it is not reading) comes back on the future it returns, never raised.
+        sent = cast("asyncio.Future[Any]", sock.send_multipart([worker_id.encode(), frame], zmq.NOBLOCK))
+        error = sent.exception() if sent.done() else None
+        if error is not None:
+            logger.warning("could not send a frame to worker %s: %s", worker_id, error)
             return False
+        return True
 
     # ---- jobs and exchanges ------------------------------------------------------------------
 
