@@ -1,0 +1,204 @@
+"""How long a running stream stalls while a worker tokenizes long prompts, on one or two checkouts.
+
+Runs as a standalone process (the bench process) on a CPU host, against gateways it starts
+(`python -m gateway serve` from each checkout, each spawning one transformers worker on the same
+demo model). In each round, on each checkout (their order alternates from round to round), one
+greedy stream runs twice: once alone ("quiet"), and once while this process sends long
+/v1/tokenize requests one after another from the stream's 16th token on ("long prompts"). Every
+token's arrival is timed (with `logprobs`, each chunk says how many tokens it holds), so the gaps
+are counted by tokens. The figure that matters is the longest gap while the long prompts were
+being tokenized, against the quiet stream's median gap: a worker that tokenizes on its engine
+thread stops every stream for the whole tokenization; one that tokenizes beside it does not.
+
+    python bench/bench_prompt_stall.py --compare ../old-checkout --rounds 5 --out bench/results
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import httpx  # noqa: E402
+import yaml  # noqa: E402
+
+from tests.harness import free_port, wait_until  # noqa: E402
+
+MODEL = "m"
+START_AFTER_TOKENS = 16
+
+
+class Gateway:
+    """`python -m gateway serve` run from one checkout (its own code on PYTHONPATH)."""
+
+    def __init__(self, checkout: Path, config: Path, log: Path) -> None:
+        self.checkout, self.port = checkout, free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = {**os.environ, "PYTHONPATH": str(checkout)}
+        command = [sys.executable, "-m", "gateway", "serve", "--config", str(config),
+                   "--port", str(self.port)]  # fmt: skip
+        self._log = open(log, "wb")  # noqa: SIM115 - closed in stop()
+        self.process = subprocess.Popen(
+            command, cwd=checkout, env=env, stdout=self._log, stderr=subprocess.STDOUT
+        )
+
+        def ready() -> bool:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"the gateway of {checkout} exited; see {log}")
+            return httpx.get(self.url + "/health/ready", timeout=2).status_code == 200
+
+        wait_until(ready, f"the gateway of {checkout} to be ready", 300, retry_on=(httpx.HTTPError,))
+
+    def stop(self) -> None:
+        self.process.terminate()
+        self.process.wait(60)
+        self._log.close()
+
+
+async def one_phase(url: str, tokens: int, long_text: str | None, prompts: int) -> dict[str, Any]:
+    """One stream; with long_text, `prompts` tokenize requests of it from the stream's 16th token."""
+    body = {"model": MODEL, "prompt": "The history of", "max_tokens": tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True, "logprobs": 1}  # fmt: skip
+    times: list[float] = []
+    started = asyncio.Event()
+    window: list[float] = []
+    tokenize_s: list[float] = []
+
+    async def stream(client: httpx.AsyncClient) -> None:
+        async with client.stream("POST", "/v1/completions", json=body) as response:
+            response.raise_for_status()
+            async for line in response.aiter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                now = time.perf_counter()
+                for choice in json.loads(line[6:]).get("choices", []):
+                    times.extend([now] * len((choice.get("logprobs") or {}).get("tokens") or []))
+                if len(times) >= START_AFTER_TOKENS:
+                    started.set()
+
+    async def tokenize(client: httpx.AsyncClient) -> None:
+        await started.wait()
+        window.append(time.perf_counter())
+        for _ in range(prompts):
+            sent = time.perf_counter()
+            response = await client.post("/v1/tokenize", json={"model": MODEL, "prompt": long_text})
+            response.raise_for_status()
+            tokenize_s.append(time.perf_counter() - sent)
+        window.append(time.perf_counter())
+
+    async with httpx.AsyncClient(base_url=url, timeout=600) as client:
+        tasks = [stream(client)] + ([tokenize(client)] if long_text is not None else [])
+        await asyncio.gather(*tasks)
+    if len(times) != tokens:
+        raise RuntimeError(f"the stream gave {len(times)} tokens, not {tokens}")
+    gaps = [(b, b - a) for a, b in zip(times, times[1:], strict=False)]
+    if window:
+        if window[1] > times[-1]:
+            raise RuntimeError("the stream ended before the long prompts were tokenized; raise --tokens")
+        inside = [g for end, g in gaps if window[0] <= end <= window[1] + 0.5]
+    else:
+        inside = [g for _, g in gaps]
+    return {"gap_ms_p50": 1000 * statistics.median(g for _, g in gaps), "gap_ms_max": 1000 * max(inside),
+            "tokenize_ms": [1000 * s for s in tokenize_s]}  # fmt: skip
+
+
+def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    from gateway.demo.model import make_demo_model
+
+    model_dir = make_demo_model(work / "model", preset="small", seed=0)
+    entry = {"name": MODEL, "engine": "transformers", "path": str(model_dir), "max_seq_len": 2048,
+             "engine_settings": {"threads": 1}}  # fmt: skip
+    config = work / "models.yaml"
+    config.write_text(yaml.safe_dump({"models": [entry], "server": {"max_body_bytes": 64 * 1024 * 1024}}))
+    corpus = (REPO_ROOT / "gateway" / "demo" / "corpus.txt").read_text()
+    long_text = (corpus * (args.prompt_chars // len(corpus) + 1))[: args.prompt_chars]
+    checkouts = {"this": REPO_ROOT, **({"compare": args.compare.resolve()} if args.compare else {})}
+    gateways = {name: Gateway(path, config, work / f"{name}.log") for name, path in checkouts.items()}
+    results: dict[str, list[dict[str, Any]]] = {name: [] for name in checkouts}
+    try:
+        for gw in gateways.values():  # a warm-up of each
+            asyncio.run(one_phase(gw.url, args.tokens, long_text, 1))
+        for round_index in range(args.rounds):
+            names = list(checkouts) if round_index % 2 == 0 else list(reversed(checkouts))
+            for name in names:
+                url = gateways[name].url
+                quiet = asyncio.run(one_phase(url, args.tokens, None, 0))
+                loaded = asyncio.run(one_phase(url, args.tokens, long_text, args.prompts))
+                results[name].append({"quiet": quiet, "long_prompts": loaded,
+                                      "stall_ratio": loaded["gap_ms_max"] / quiet["gap_ms_p50"]})  # fmt: skip
+                print(f"round {round_index + 1} {name}: quiet gap p50 {quiet['gap_ms_p50']:.1f} ms, "
+                      f"longest gap under long prompts {loaded['gap_ms_max']:.1f} ms, "
+                      f"tokenize {statistics.median(loaded['tokenize_ms']):.0f} ms", flush=True)  # fmt: skip
+    finally:
+        for gw in gateways.values():
+            gw.stop()
+    return {"checkouts": {name: str(path) for name, path in checkouts.items()}, "rounds": results}
+
+
+def summary(report: dict[str, Any]) -> str:
+    env = report["env"]
+    lines = [f"```\n{env['cpu']}, {env['cores']} cores | {env['date']} | demo model (small), transformers "
+             f"engine, threads 1 | one stream of {env['tokens']} tokens; {env['prompts']} tokenize requests "
+             f"of {env['prompt_chars']} characters | {env['rounds']} interleaved rounds\n```", "",
+             "| checkout | quiet gap p50 ms | longest gap under long prompts ms (min-max) | "
+             "that / quiet p50 (min-max) | tokenize ms p50 |", "|---|---|---|---|---|"]  # fmt: skip
+    for name, rounds in report["rounds"].items():
+        longest = [r["long_prompts"]["gap_ms_max"] for r in rounds]
+        ratios = [r["stall_ratio"] for r in rounds]
+        quiet = statistics.median(r["quiet"]["gap_ms_p50"] for r in rounds)
+        tok = statistics.median(t for r in rounds for t in r["long_prompts"]["tokenize_ms"])
+        lines.append(f"| {name} ({report['checkouts'][name]}) | {quiet:.1f} "
+                     f"| {statistics.median(longest):.1f} "
+                     f"({min(longest):.1f}-{max(longest):.1f}) | {statistics.median(ratios):.1f} "
+                     f"({min(ratios):.1f}-{max(ratios):.1f}) | {tok:.0f} |")  # fmt: skip
+    if "compare" in report["rounds"]:
+        this, other = report["rounds"]["this"], report["rounds"]["compare"]
+        pairs = [a["long_prompts"]["gap_ms_max"] / b["long_prompts"]["gap_ms_max"]
+                 for a, b in zip(this, other, strict=True)]  # fmt: skip
+        lines += ["", f"Longest gap, this / compare, paired by round: median {statistics.median(pairs):.3f} "
+                  f"({min(pairs):.3f}-{max(pairs):.3f})."]  # fmt: skip
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--compare", type=Path, help="a second checkout to measure in the same rounds")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--tokens", type=int, default=600, help="the stream's length")
+    parser.add_argument("--prompts", type=int, default=4, help="long tokenize requests per phase")
+    parser.add_argument("--prompt-chars", type=int, default=400_000)
+    parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    args = parser.parse_args(argv)
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor())  # fmt: skip
+    date = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H%MZ")
+    env = {"cpu": cpu, "cores": os.cpu_count(), "date": date, "tokens": args.tokens,
+           "prompts": args.prompts, "prompt_chars": args.prompt_chars, "rounds": args.rounds}  # fmt: skip
+    report: dict[str, Any] = {"env": env}
+    with tempfile.TemporaryDirectory(prefix="bench-stall-") as tmp:
+        report.update(run(args, Path(tmp)))
+    text = summary(report)
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = args.out / f"bench_prompt_stall_{date}"
+    stem.with_suffix(".md").write_text(text + "\n")
+    stem.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
