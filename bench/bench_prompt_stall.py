@@ -4,7 +4,8 @@ Runs as a standalone process (the bench process) on a CPU host, against gateways
 (`python -m gateway serve` from each checkout, each spawning one transformers worker on the same
 demo model). In each round, on each checkout (their order alternates from round to round), one
 greedy stream runs twice: once alone ("quiet"), and once while this process sends long
-/v1/tokenize requests one after another from the stream's 16th token on ("long prompts"). Every
+requests one after another from the stream's 16th token on ("long prompts"), each a prompt longer
+than the model's context, which the worker tokenizes and then refuses (a 400). Every
 token's arrival is timed (with `logprobs`, each chunk says how many tokens it holds), so the gaps
 are counted by tokens. The figure that matters is the longest gap while the long prompts were
 being tokenized, against the quiet stream's median gap: a worker that tokenizes on its engine
@@ -39,6 +40,7 @@ import yaml  # noqa: E402
 from tests.harness import free_port, wait_until  # noqa: E402
 
 MODEL = "m"
+OTHER_MODEL = "other"  # the same files in a second worker
 START_AFTER_TOKENS = 16
 
 
@@ -69,8 +71,11 @@ class Gateway:
         self._log.close()
 
 
-async def one_phase(url: str, tokens: int, long_text: str | None, prompts: int) -> dict[str, Any]:
-    """One stream; with long_text, `prompts` tokenize requests of it from the stream's 16th token."""
+async def one_phase(
+    url: str, tokens: int, long_text: str | None, prompts: int, long_model: str = MODEL
+) -> dict[str, Any]:
+    """One stream; with long_text, `prompts` requests of it from the stream's 16th token, to
+    `long_model` (the stream's own model, or a second worker's to measure the gateway alone)."""
     body = {"model": MODEL, "prompt": "The history of", "max_tokens": tokens, "temperature": 0,
             "ignore_eos": True, "stream": True, "logprobs": 1}  # fmt: skip
     times: list[float] = []
@@ -95,8 +100,12 @@ async def one_phase(url: str, tokens: int, long_text: str | None, prompts: int) 
         window.append(time.perf_counter())
         for _ in range(prompts):
             sent = time.perf_counter()
-            response = await client.post("/v1/tokenize", json={"model": MODEL, "prompt": long_text})
-            response.raise_for_status()
+            # Longer than the model's context: the worker tokenizes it and refuses it (400), so the
+            # gateway's own share of the work stays small (no long reply to encode).
+            response = await client.post("/v1/completions", json={"model": long_model, "prompt": long_text,
+                                                                   "max_tokens": 1})  # fmt: skip
+            if response.status_code != 400 or "context" not in response.text:
+                raise RuntimeError(f"expected a 400 for the context length: {response.text[:300]}")
             tokenize_s.append(time.perf_counter() - sent)
         window.append(time.perf_counter())
 
@@ -120,10 +129,17 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     from gateway.demo.model import make_demo_model
 
     model_dir = make_demo_model(work / "model", preset="small", seed=0)
-    entry = {"name": MODEL, "engine": "transformers", "path": str(model_dir), "max_seq_len": 2048,
-             "engine_settings": {"threads": 1}}  # fmt: skip
+    trace = (
+        {"env": {"GATEWAY_STEP_TRACE": os.environ["STALL_STEP_TRACE"]}}
+        if "STALL_STEP_TRACE" in os.environ
+        else {}
+    )
+    entries = [{"name": name, "engine": "transformers", "path": str(model_dir), "max_seq_len": 4096,
+                "engine_settings": {"threads": 1}, **(trace if name == MODEL else {})}
+               for name in (MODEL, OTHER_MODEL)]  # fmt: skip
     config = work / "models.yaml"
-    config.write_text(yaml.safe_dump({"models": [entry], "server": {"max_body_bytes": 64 * 1024 * 1024}}))
+    config.write_text(yaml.safe_dump({"models": entries, "server": {"max_body_bytes": 64 * 1024 * 1024}}))
+    long_model = OTHER_MODEL if args.long_prompts_to_other_model else MODEL
     corpus = (REPO_ROOT / "gateway" / "demo" / "corpus.txt").read_text()
     long_text = (corpus * (args.prompt_chars // len(corpus) + 1))[: args.prompt_chars]
     checkouts = {"this": REPO_ROOT, **({"compare": args.compare.resolve()} if args.compare else {})}
@@ -137,12 +153,13 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             for name in names:
                 url = gateways[name].url
                 quiet = asyncio.run(one_phase(url, args.tokens, None, 0))
-                loaded = asyncio.run(one_phase(url, args.tokens, long_text, args.prompts))
+                loaded = asyncio.run(one_phase(url, args.tokens, long_text, args.prompts, long_model))
                 results[name].append({"quiet": quiet, "long_prompts": loaded,
                                       "stall_ratio": loaded["gap_ms_max"] / quiet["gap_ms_p50"]})  # fmt: skip
                 print(f"round {round_index + 1} {name}: quiet gap p50 {quiet['gap_ms_p50']:.1f} ms, "
                       f"longest gap under long prompts {loaded['gap_ms_max']:.1f} ms, "
-                      f"tokenize {statistics.median(loaded['tokenize_ms']):.0f} ms", flush=True)  # fmt: skip
+                      f"long request {statistics.median(loaded['tokenize_ms']):.0f} ms",
+                      flush=True)  # fmt: skip
     finally:
         for gw in gateways.values():
             gw.stop()
@@ -151,11 +168,12 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 
 def summary(report: dict[str, Any]) -> str:
     env = report["env"]
-    lines = [f"```\n{env['cpu']}, {env['cores']} cores | {env['date']} | demo model (small), transformers "
-             f"engine, threads 1 | one stream of {env['tokens']} tokens; {env['prompts']} tokenize requests "
-             f"of {env['prompt_chars']} characters | {env['rounds']} interleaved rounds\n```", "",
+    lines = [f"```\n{env['cpu']}, {env['cores']} cores | {env['date']} | demo model (small), "
+             f"transformers engine, threads 1 | one stream of {env['tokens']} tokens; {env['prompts']} "
+             f"requests whose prompts of {env['prompt_chars']} characters are tokenized, then refused "
+             f"as too long, by {env['long_prompts_to']} | {env['rounds']} interleaved rounds\n```", "",
              "| checkout | quiet gap p50 ms | longest gap under long prompts ms (min-max) | "
-             "that / quiet p50 (min-max) | tokenize ms p50 |", "|---|---|---|---|---|"]  # fmt: skip
+             "that / quiet p50 (min-max) | long request ms p50 |", "|---|---|---|---|---|"]  # fmt: skip
     for name, rounds in report["rounds"].items():
         longest = [r["long_prompts"]["gap_ms_max"] for r in rounds]
         ratios = [r["stall_ratio"] for r in rounds]
@@ -178,16 +196,23 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--compare", type=Path, help="a second checkout to measure in the same rounds")
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--tokens", type=int, default=600, help="the stream's length")
-    parser.add_argument("--prompts", type=int, default=4, help="long tokenize requests per phase")
-    parser.add_argument("--prompt-chars", type=int, default=400_000)
+    parser.add_argument("--tokens", type=int, default=2000, help="the stream's length")
+    parser.add_argument("--prompts", type=int, default=3, help="long tokenize requests per phase")
+    parser.add_argument("--prompt-chars", type=int, default=200_000)
+    parser.add_argument(
+        "--long-prompts-to-other-model",
+        action="store_true",
+        help="send the long prompts to a second worker: what is left is the gateway's own stall",
+    )
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     args = parser.parse_args(argv)
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), platform.processor())  # fmt: skip
     date = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H%MZ")
     env = {"cpu": cpu, "cores": os.cpu_count(), "date": date, "tokens": args.tokens,
-           "prompts": args.prompts, "prompt_chars": args.prompt_chars, "rounds": args.rounds}  # fmt: skip
+           "prompts": args.prompts, "prompt_chars": args.prompt_chars, "rounds": args.rounds,
+           "long_prompts_to": "a second worker" if args.long_prompts_to_other_model
+           else "the same worker"}  # fmt: skip
     report: dict[str, Any] = {"env": env}
     with tempfile.TemporaryDirectory(prefix="bench-stall-") as tmp:
         report.update(run(args, Path(tmp)))

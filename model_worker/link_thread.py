@@ -1,11 +1,14 @@
-"""The worker's link thread: the one thread that touches the DEALER socket while the worker runs.
+"""The worker's link: the one thread that touches the DEALER socket, and the one that prepares prompts.
 
-Runs in the worker process, on its own thread beside the engine thread (model_worker.serve_loop).
-Owns the socket from `start()` to `close()`: it reads and decodes every frame from the gateway,
-prepares generation prompts (chat template, tokenizer and the shared checks, through
-model_worker.prompt_desk) and answers Tokenize and Detokenize itself, so that none of that work
-stalls the engine's steps. Everything else the engine thread takes from `take()`, in arrival order.
-Frames to the gateway are handed over as messages by `send()` and encoded and sent here.
+Runs in the worker process, on two threads of its own beside the engine thread
+(model_worker.serve_loop). The link thread owns the socket from `start()` to `close()`: it reads
+and decodes every frame from the gateway, and encodes and sends every frame to it (handed over as
+messages by `send()`), so it is never busy for long. The prompt thread prepares generation prompts
+(chat template, tokenizer and the shared checks, through model_worker.prompt_desk) and answers
+Tokenize and Detokenize: a long prompt takes it a while, and in that time neither the engine's
+steps nor the frames that carry their tokens wait for it. Every message for the engine thread
+passes through the prompt thread in arrival order (a Cancel never overtakes its Generate), and the
+engine thread takes them from `take()`.
 
 Nothing is ever dropped: when ZeroMQ's queue to the gateway is full, the frame waits here and
 `send()` waits once the bounded hand-over queue is full too (backpressure: the engine pauses while
@@ -39,6 +42,7 @@ logger = logging.getLogger(__name__)
 # output; past it the engine waits (backpressure).
 MAX_OUTBOUND = 4096
 _WAKE = object()  # an inbound item that only wakes the engine thread (a stop was requested)
+_STOP = object()  # the prompt thread's last item
 
 
 class PeerUnresponsive(RuntimeError):
@@ -57,8 +61,9 @@ class LinkThread:
         self.waits = 0  # how often a frame found the queue to the gateway full (a pause, never a loss)
         self.failure: BaseException | None = None
         self._inbound: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._to_prepare: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._outbound: queue.Queue[wire.Message] = queue.Queue(MAX_OUTBOUND)
-        self._replies: collections.deque[wire.Message] = collections.deque()  # this thread's own
+        self._replies: collections.deque[wire.Message] = collections.deque()  # the prompt thread's
         self._pending: bytes | None = None  # an encoded frame ZeroMQ had no room for yet
         self._pending_since = 0.0
         self._desk: PromptDesk | None = None
@@ -68,7 +73,12 @@ class LinkThread:
         self._bell_read, self._bell_write = os.pipe()
         os.set_blocking(self._bell_read, False)
         os.set_blocking(self._bell_write, False)
-        self._thread = threading.Thread(target=self._run, name="worker-link", daemon=True)
+        self._thread = threading.Thread(
+            target=self._guarded, args=(self._loop,), name="worker-link", daemon=True
+        )
+        self._prompt_thread = threading.Thread(
+            target=self._guarded, args=(self._prepare_loop,), name="worker-prompts", daemon=True
+        )
         self._handlers: dict[type[wire.Message], Callable[[Any], None]] = {
             wire.Generate: self._on_generate,
             wire.Tokenize: self._on_tokenize,
@@ -78,8 +88,9 @@ class LinkThread:
     # ---- the engine thread's side ------------------------------------------------------------
 
     def start(self) -> None:
-        """From now on only this thread uses the socket, until close() returns."""
+        """From now on only the link thread uses the socket, until close() returns."""
         self._thread.start()
+        self._prompt_thread.start()
 
     def serve_prompts(self, desk: PromptDesk) -> None:
         """Start reading the gateway's frames (until now they wait in the socket): the model is
@@ -136,16 +147,21 @@ class LinkThread:
     def close(self, flush_s: float) -> bool:
         """Send what is queued (for up to flush_s) and stop the thread; True once the socket is the
         caller's again. A thread that stopped on an error leaves its frames to be tried here."""
+        deadline = time.monotonic() + flush_s
+        self._to_prepare.put(_STOP)
+        if self._prompt_thread.is_alive():  # its last replies go out with the rest
+            self._prompt_thread.join(flush_s)
         self._stopping = True
         self._ring()
         if self._thread.is_alive():
-            self._thread.join(flush_s)
+            self._thread.join(max(deadline - time.monotonic(), 0.0))
         if self._thread.is_alive():
             logger.warning("frames to the gateway were still waiting after %.1fs; not sent", flush_s)
             return False
         self._send_leftovers()  # a thread that ended on an error (or never ran) may have left some
-        os.close(self._bell_read)
-        os.close(self._bell_write)
+        if not self._prompt_thread.is_alive():  # else it may still ring: its descriptors stay open
+            os.close(self._bell_read)
+            os.close(self._bell_write)
         return True
 
     def _wait_for_room(self, message: wire.Message) -> None:
@@ -170,11 +186,12 @@ class LinkThread:
 
     # ---- the link thread -----------------------------------------------------------------------
 
-    def _run(self) -> None:
+    def _guarded(self, loop: Callable[[], None]) -> None:
         try:
-            self._loop()
+            loop()
         except BaseException as exc:  # every error here is the worker's end: the engine thread raises it
-            self.failure = exc
+            if self.failure is None:
+                self.failure = exc
             self._inbound.put(_LinkFailed())
 
     def _loop(self) -> None:
@@ -219,13 +236,20 @@ class LinkThread:
             except ProtocolError as exc:
                 logger.warning("dropped a bad frame (%d bytes): %s", len(frame), exc)
                 continue
+            if type(message) in self._handlers or type(message) in self._forward:
+                self._to_prepare.put(message)
+            else:
+                logger.warning("dropped an unexpected %s frame", type(message).__name__)
+
+    # ---- the prompt thread -------------------------------------------------------------------
+
+    def _prepare_loop(self) -> None:
+        while (message := self._to_prepare.get()) is not _STOP:
             handler = self._handlers.get(type(message))
             if handler is not None:
                 handler(message)
-            elif type(message) in self._forward:  # cancels, embeddings, shutdown, reintroduce
+            else:  # cancels, embeddings, shutdown, reintroduce: as they are, in their turn
                 self._inbound.put(message)
-            else:
-                logger.warning("dropped an unexpected %s frame", type(message).__name__)
 
     def _on_generate(self, msg: wire.Generate) -> None:
         assert self._desk is not None  # frames are read only once the desk is set
@@ -234,10 +258,12 @@ class LinkThread:
     def _on_tokenize(self, msg: wire.Tokenize) -> None:
         assert self._desk is not None
         self._replies.append(self._desk.tokenize(msg))
+        self._ring()
 
     def _on_detokenize(self, msg: wire.Detokenize) -> None:
         assert self._desk is not None
         self._replies.append(self._desk.detokenize(msg))
+        self._ring()
 
     def _flush(self) -> None:
         """Hand every queued frame to ZeroMQ, in order, until its queue is full."""
@@ -269,7 +295,7 @@ class LinkThread:
             return None
 
     def _send_leftovers(self) -> None:
-        """On this (the engine) thread after the link thread died: what can go out without waiting."""
+        """On the engine thread, once the link thread has ended: what can go out without waiting."""
         try:
             if self._pending is not None:
                 self._sock.send(self._pending, zmq.NOBLOCK)
