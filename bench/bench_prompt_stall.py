@@ -163,7 +163,16 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     finally:
         for gw in gateways.values():
             gw.stop()
-    return {"checkouts": {name: str(path) for name, path in checkouts.items()}, "rounds": results}
+    return {"checkouts": {name: commit_of(path) for name, path in checkouts.items()}, "rounds": results}
+
+
+def commit_of(checkout: Path) -> str:
+    """The checkout's commit, and "+changes" when its tree differs from it (names no local path)."""
+    git = ["git", "-C", str(checkout)]
+    commit = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout
+    changes = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no"],
+                             capture_output=True, text=True).stdout  # fmt: skip
+    return commit.strip() + ("+changes" if changes.strip() else "")
 
 
 def summary(report: dict[str, Any]) -> str:
