@@ -1,7 +1,7 @@
 """The worker's desk for generation jobs: admitting them, holding those whose constraint compiles,
 and the bookkeeping of live jobs between the socket and the engine.
 
-Runs in the worker process, on the serve loop's (engine) thread. Takes each Generate as the link
+Runs in the worker process, on the serve loop's (engine) thread. Takes each Generate as the prompt
 thread prepared it (model_worker.prompt_desk: its prompt's ids, or why it cannot run). Owns the
 refusal of a request id already running, the scoring pass for prompt logprobs, the jobs parked
 while their output constraint compiles in its own process (the loop keeps stepping every other job

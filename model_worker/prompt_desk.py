@@ -1,6 +1,6 @@
-"""Prompts prepared on the worker's link thread, before the engine thread sees them.
+"""Prompts prepared on the worker's prompt thread, before the engine thread sees them.
 
-Runs in the worker process, on the link thread (model_worker.link_thread). Owns the work a
+Runs in the worker process, on the prompt thread (model_worker.link_thread). Owns the work a
 Generate needs before an engine can take it, none of which touches the engine: rendering chat
 messages with the model's template, tokenizing with a tokenizer the engine hands out for another
 thread (`Engine.text_codec`), and the shared checks (engines.validation). A Generate becomes a

@@ -1,6 +1,6 @@
 """Prompts as token ids: plain text, token ids as given, or chat messages through the template.
 
-Runs in the worker process, on the link thread (through model_worker.prompt_desk). Owns the rules
+Runs in the worker process, on the prompt thread (through model_worker.prompt_desk). Owns the rules
 for turning a Generate or Tokenize message into the ids an engine runs, with the model's own
 tokenizer and chat template (tools and the template's switches included); what cannot be turned
 into ids is a `RequestRejected`, answered as Rejected.

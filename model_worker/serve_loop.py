@@ -4,9 +4,10 @@ Runs in the worker process, on its main thread, the engine thread: the only thre
 engine (the exllama generators are not thread-safe), and it does little else. Owns the engine and
 the worker's own lifecycle (starting -> loading -> warming -> ready -> draining -> stopped, checked
 against wire.states). The DEALER socket is created here and handed to the link thread
-(model_worker.link_thread), which decodes what arrives, prepares prompts and encodes and sends
-every frame. What it passes on is dispatched by type through a table; generation jobs are admitted
-and tracked by model_worker.jobs, embedding requests batched by model_worker.embedding_batch.
+(model_worker.link_thread), which decodes what arrives and encodes and sends every frame; its
+prompt thread prepares prompts. What they pass on is dispatched by type through a table;
+generation jobs are admitted and tracked by model_worker.jobs, embedding requests batched by
+model_worker.embedding_batch.
 """
 
 from __future__ import annotations
@@ -192,8 +193,8 @@ class Worker:
             warm_s = warm_up(engine, self.info.max_seq_len, spec.warmup_runs)
         # Devices again: memory in use now includes the cache and the warm-up's allocations.
         self.info = engine.info()
-        # The link thread reads the gateway's frames from here on, preparing prompts with a tokenizer
-        # the engine hands out for that thread.
+        # The link reads the gateway's frames from here on; its prompt thread prepares prompts with
+        # a tokenizer the engine hands out for that thread.
         self.link.serve_prompts(PromptDesk(engine.text_codec(), chat_template, spec, self.info, supported))
         self._ready = wire.Ready(
             self.info,

@@ -4,7 +4,7 @@ Imported in the worker process (and, for the settings base only, by `model_worke
 which the gateway runs at config time; nothing here imports torch). An engine owns exactly one
 model, one generator and one cache, and is driven by one thread: the serve loop calls `submit`,
 `cancel` and `step`, never concurrently. Only the tokenizer it hands out (`text_codec`) is used on
-another thread, the worker's link thread. Engine result dictionaries stay inside each engine's
+another thread, the worker's prompt thread. Engine result dictionaries stay inside each engine's
 folder; the serve loop only sees the wire types (JobOutput, EngineStats, EngineInfo) and
 `RequestRejected`.
 """
@@ -103,7 +103,7 @@ class Engine(TextCodec, Protocol):
     def decode(self, token_ids: list[int]) -> str: ...
 
     def text_codec(self) -> TextCodec:
-        """The tokenizer for the worker's link thread, which renders and tokenizes prompts while
+        """The tokenizer for the worker's prompt thread, which renders and tokenizes prompts while
         this engine steps (called once, after load): an instance of its own where sharing one
         across threads is unsafe."""
 

@@ -18,6 +18,7 @@ from model_worker.devices import gpu_memory_used_bytes
 from model_worker.engines.base import RequestRejected, TextCodec
 from model_worker.engines.generator_results import PartialOutput, TakeEntries, add_tokens, finish
 from model_worker.engines.gpu_logprobs import StepLogprobs
+from model_worker.engines.prompt_tokenizer import releasing_copy
 from model_worker.engines.token_texts import TokenTexts
 from wire.params import SamplingParams
 from wire.results import JobOutput, RejectCode
@@ -30,6 +31,23 @@ class GeneratorJob:
     prompt_tokens: int
     take: TakeEntries | None  # its logprob entries, when it asked for logprobs
     include_stop_str: bool = False
+
+
+class LibraryCodec:
+    """encode/decode through an exllama library tokenizer (the engine's, or the prompt thread's copy)."""
+
+    def __init__(self, tokenizer: Any, torch: Any) -> None:
+        self.tokenizer, self.torch = tokenizer, torch
+
+    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        # Chat templates put special tokens in the text; they must become their ids, not text.
+        ids = self.tokenizer.encode(text, add_bos=add_special_tokens, encode_special_tokens=True)
+        return [int(t) for t in ids[0].tolist()]
+
+    def decode(self, token_ids: list[int]) -> str:
+        if not token_ids:
+            return ""
+        return str(self.tokenizer.decode(self.torch.tensor(token_ids, dtype=self.torch.long)))
 
 
 class DynamicGeneratorEngine:
@@ -75,19 +93,15 @@ class DynamicGeneratorEngine:
     # ---- tokens ----------------------------------------------------------------------------------
 
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
-        # Chat templates put special tokens in the text; they must become their ids, not text.
-        ids = self.tokenizer.encode(text, add_bos=add_special_tokens, encode_special_tokens=True)
-        return [int(t) for t in ids[0].tolist()]
+        return LibraryCodec(self.tokenizer, self._torch).encode(text, add_special_tokens)
 
     def decode(self, token_ids: list[int]) -> str:
-        if not token_ids:
-            return ""
-        return str(self.tokenizer.decode(self._torch.tensor(token_ids, dtype=self._torch.long)))
+        return LibraryCodec(self.tokenizer, self._torch).decode(token_ids)
 
     def text_codec(self) -> TextCodec:
-        # Shared, not copied: exllama's tokenizers change no state in encode or decode (their Rust
-        # calls run under the GIL), and a second one would rebuild every piece table.
-        return self
+        # A shallow copy, not a second tokenizer (that would rebuild every piece table): encode and
+        # decode change no state, and the copy lets the GIL go while it encodes.
+        return LibraryCodec(releasing_copy(self.tokenizer), self._torch)
 
     def draft_name(self) -> str:
         s = self.settings

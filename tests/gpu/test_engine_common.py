@@ -72,6 +72,28 @@ def test_greedy_completion_is_repeatable(engine: Any) -> None:
     assert first.text == engine.decode(first.token_ids)
 
 
+def test_prompt_thread_codec_matches_the_engine_and_lets_the_gil_go(engine: Any) -> None:
+    from model_worker.engines.prompt_tokenizer import ReleasingTokenizer
+
+    codec = engine.text_codec()
+    # Found where the library keeps its Hugging Face tokenizer, so long prompts do not hold the GIL.
+    wrapped = [value for value in vars(codec.tokenizer).values() if isinstance(value, ReleasingTokenizer)]
+    wrapped += [
+        value
+        for holder in vars(codec.tokenizer).values()
+        if hasattr(holder, "__dict__")
+        for value in vars(holder).values()
+        if isinstance(value, ReleasingTokenizer)
+    ]
+    assert wrapped, type(codec.tokenizer)
+    bos = getattr(engine.tokenizer, "bos_token", None) or ""  # a special token in the text (both libraries)
+    for text in (PROMPT, "Ça va? 東京 " * 40, f"{bos}text after a special token", ""):
+        for special in (True, False):
+            assert codec.encode(text, special) == engine.encode(text, special), (text, special)
+    ids = engine.encode(PROMPT, True)
+    assert codec.decode(ids) == engine.decode(ids)
+
+
 def test_streaming_outputs_arrive_step_by_step(engine: Any, mode: str) -> None:
     run = run_job(engine, engine.encode(PROMPT, True), greedy(64))
     # Not always one output per token: an engine holds text back while it ends in an unfinished

@@ -1,4 +1,4 @@
-"""The worker's link thread: frames in and out over a real socket, off the engine thread.
+"""The worker's link and prompt threads: frames in and out over a real socket, off the engine thread.
 
 Runs in the pytest process with real ZeroMQ sockets over ipc: a DEALER driven by the LinkThread
 (the worker's side) and a ROUTER (the gateway's side) that reads only when the test says so. The

@@ -2,7 +2,7 @@
 
 Imported in the worker process by the transformers engines. A fast tokenizer changes its Rust
 state (truncation, padding) inside calls and raises "Already borrowed" when two threads meet
-there, so the link thread gets a deep copy of its own instead of sharing the engine's.
+there, so the prompt thread gets a deep copy of its own instead of sharing the engine's.
 """
 
 from __future__ import annotations
