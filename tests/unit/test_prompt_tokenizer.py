@@ -23,9 +23,10 @@ def test_encodes_the_same_as_the_tokenizer_it_wraps(demo_model_dir: Path) -> Non
     inner = Tokenizer.from_file(str(demo_model_dir / "tokenizer.json"))
     wrapped = ReleasingTokenizer(inner)
     for special in (True, False):
-        assert wrapped.encode(TEXT, add_special_tokens=special).ids == inner.encode(
-            TEXT, add_special_tokens=special
-        ).ids
+        assert (
+            wrapped.encode(TEXT, add_special_tokens=special).ids
+            == inner.encode(TEXT, add_special_tokens=special).ids
+        )
     assert wrapped.get_vocab_size() == inner.get_vocab_size()  # everything else passes through
 
 
