@@ -64,6 +64,7 @@ class DynamicGeneratorEngine:
         self.model: Any = None
         self.cache: Any = None
         self.tokenizer: Any = None
+        self._codec: LibraryCodec | None = None  # the engine's own, over self.tokenizer
         self.draft_model: Any = None
         self.draft_cache: Any = None
         self.vocab_size = 0
@@ -93,10 +94,16 @@ class DynamicGeneratorEngine:
     # ---- tokens ----------------------------------------------------------------------------------
 
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
-        return LibraryCodec(self.tokenizer, self._torch).encode(text, add_special_tokens)
+        return self._library_codec().encode(text, add_special_tokens)
 
     def decode(self, token_ids: list[int]) -> str:
-        return LibraryCodec(self.tokenizer, self._torch).decode(token_ids)
+        return self._library_codec().decode(token_ids)
+
+    def _library_codec(self) -> LibraryCodec:
+        # Made once, after load() bound the tokenizer: decode runs for every streamed token.
+        if self._codec is None:
+            self._codec = LibraryCodec(self.tokenizer, self._torch)
+        return self._codec
 
     def text_codec(self) -> TextCodec:
         # A shallow copy, not a second tokenizer (that would rebuild every piece table): encode and
