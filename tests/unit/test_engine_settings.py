@@ -145,3 +145,22 @@ def test_exllamav3_load_arguments_per_split() -> None:
     }
     # A draft model loads with the layer split: tensor parallelism is for the main model.
     assert "tensor_p" not in load_arguments(tensor, main_model=False)
+
+
+@pytest.mark.parametrize(
+    ("entry", "settings_model"),
+    [
+        ("engine: exllamav3", ExLlamaV3Settings),
+        ("engine: exllamav3, engine_settings: {cache_size: 8192, cache_mode: Q4}", ExLlamaV3Settings),
+        ("engine: exllamav2", ExLlamaV2Settings),
+        ("engine: exllamav2, engine_settings: {cache_mode: Q4}", ExLlamaV2Settings),
+    ],
+)
+def test_the_settings_the_registry_hands_a_worker_validate_again(
+    tmp_path: Path, entry: str, settings_model: type
+) -> None:
+    # The registry check hands each worker its settings with every default filled in; the worker
+    # validates them again, so a cross-field rule must hold for its own defaults too.
+    model = load_registry(registry(tmp_path, entry)).models[0]
+    again = settings_model.model_validate(model.engine_settings, context={"gpu_counts": [1]})
+    assert again.model_dump(mode="json") == model.engine_settings

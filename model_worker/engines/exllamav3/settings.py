@@ -97,7 +97,9 @@ class ExLlamaV3Settings(EngineSettings):
     def _what_exllamav3_accepts(self, info: ValidationInfo) -> ExLlamaV3Settings:
         if self.ngram_draft and self.draft_path is not None:
             raise ValueError("ngram_draft and draft_path are two drafting methods; choose one")
-        if "tp_backend" in self.model_fields_set and not self.tensor_parallel:
+        # Judged by value, not by whether it was written: a worker validates the registry's dump
+        # again, where every default counts as written.
+        if self.tp_backend != "native" and not self.tensor_parallel:
             message = "tp_backend applies only with tensor_parallel: true"
             raise settings_error(type(self), "tp_backend", message, self.tp_backend)
         gpu_counts: list[int] = (info.context or {}).get("gpu_counts") or []
