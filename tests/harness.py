@@ -194,11 +194,21 @@ class GatewayProcess:
         if self.process.poll() is not None:  # it will not become ready: fail now, not at the timeout
             raise RuntimeError(f"gateway exited with {self.process.returncode}:\n{self.log()}")
 
+    def _check_no_model_failed(self, models: dict[str, Any]) -> None:
+        """A model whose every replica gave up will not become ready: fail now, not at the timeout."""
+        for name, view in models.items():
+            replicas = view.get("replicas") or []
+            if replicas and all(r.get("state") == "failed" for r in replicas):
+                raise RuntimeError(f"model {name!r} failed to start: {replicas[0].get('last_error')}")
+
     def wait_until_ready(self, timeout: float) -> dict[str, Any]:
         def ready() -> dict[str, Any] | None:
             self._check_running()
             response = httpx.get(self.url + "/health/ready", timeout=2)
-            return response.json() if response.status_code == 200 else None
+            if response.status_code == 200:
+                return response.json()
+            self._check_no_model_failed(response.json().get("models") or {})
+            return None
 
         return wait_until(
             ready, "the gateway to be ready", timeout, context=self.events, retry_on=(httpx.HTTPError,)
