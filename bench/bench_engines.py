@@ -48,6 +48,8 @@ def prompts(count: int) -> list[str]:
 
 
 def settings(args: argparse.Namespace) -> dict[str, Any]:
+    if args.unpaged:  # exllamav2 without paged attention: one job at a time, a cache of one job
+        return {"paged": False, "max_chunk_size": 2048}
     return {"max_batch_size": max(args.streams), "max_chunk_size": 2048, "cache_size": args.cache_size}
 
 
@@ -333,6 +335,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--mixed-streams", type=int, default=16)
     parser.add_argument("--skip-overhead", action="store_true", help="only the mixed-registry scenario")
+    parser.add_argument(
+        "--unpaged", action="store_true", help="exllamav2 with paged: false (as without flash-attn)"
+    )
     parser.add_argument("--paths", default="raw,gateway", help="raw, engine (ours, in-process), gateway")
     parser.add_argument(
         "--raw-threads", type=int, default=1, help="torch CPU threads of the raw path (GPU workers run 1)"
@@ -350,6 +355,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--out-dir", type=Path, default=Path("bench/results"))
     args = parser.parse_args(argv)
+    if args.unpaged and args.engine != "exllamav2":
+        parser.error("--unpaged is exllamav2's paged: false")
     args.streams = [int(s) for s in args.streams.split(",") if s]
     args.paths = args.paths.split(",")
     args.logprob_streams = [int(s) for s in args.logprob_streams.split(",") if s]
@@ -369,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
         "settings": {**settings(args), "max_seq_len": args.max_seq_len, "greedy": True},
         "rows": [], "logprobs": [], "mixed": [], "errors": [],
     }  # fmt: skip
-    stem = f"bench_{args.engine if not args.skip_overhead else 'mixed'}"
+    stem = f"bench_{args.engine if not args.skip_overhead else 'mixed'}{'-unpaged' if args.unpaged else ''}"
 
     def save() -> str:
         report["targets"] = [

@@ -13,7 +13,8 @@
 # and print a short table last. Set-up and models are kept in /tmp between runs on the same host.
 # Logs go to $OUT (default /tmp/gpu-out).
 #
-#   GPU_RUN_STAGES    stages, in order (default "tests bench-v2 bench-v3"); also "two-gpus" (tests
+#   GPU_RUN_STAGES    stages, in order (default "tests bench-v2 bench-v3"); also "bench-v2-unpaged"
+#                     (exllamav2 with paged: false, one stream), "two-gpus" (tests
 #                     and benchmark that need two GPUs), "spec" (speculative decoding), "real-model"
 #                     (train a small Llama here, convert it to EXL2 and EXL3, and test it against
 #                     transformers: tests/gpu/test_real_model_gpu.py), "quant-bench" (see
@@ -77,6 +78,9 @@ python3 -c "import exllamav2, exllamav2.ext, exllamav2.attn as a; print('exllama
     'flash-attn paged:', a.has_flash_attn_with_paged)" || { say "exllamav2 does not import"; exit 1; }
 python3 -c "import exllamav3; from exllamav3.version import __version__ as v; print('exllamav3', v)" ||
     { say "exllamav3 does not import"; exit 1; }
+# The gateway and the worker must import here before any stage: a module missing from .whl/ fails now, once.
+python3 -c "import gateway.server, model_worker.main" ||
+    { say "the gateway or the worker does not import: add what is missing to scripts/wheelhouse.sh"; exit 1; }
 say "setup done"
 
 # ---- 2. models --------------------------------------------------------------------------------------
@@ -180,6 +184,8 @@ m('$qmodel', preset='$preset', seed=0, device='cuda')"
             done ;;
         bench-v2) run_bench bench-v2 "${BENCH_CAP_S:-270}" --engine exllamav2 --paths raw,engine,gateway \
             ${BENCH_ARGS:-} ;;
+        bench-v2-unpaged) run_bench bench-v2-unpaged 150 --engine exllamav2 --unpaged --streams 1 \
+            --logprob-streams= --paths raw,engine,gateway ;;
         bench-v3) run_bench bench-v3 "${BENCH_CAP_S:-290}" --engine exllamav3 ${BENCH_ARGS:-} ;;
         two-gpus)
             if ((gpus < 2)); then status[two-gpus]="skipped (one GPU)"; continue; fi

@@ -46,6 +46,8 @@ packages=(
     # registry and request schemas
     pydantic==2.14.3 pydantic-core==2.50.4 annotated-types==0.8.0 typing-inspection==0.4.5
     typing-extensions==4.16.0
+    # request tracing (gateway/observability/tracing.py imports the API at start; the SDK when asked)
+    opentelemetry-api==1.45.2 opentelemetry-sdk==1.45.2 opentelemetry-semantic-conventions==0.66b2
     # the OpenAI SDK used by tests and benchmarks, with its HTTP stack
     openai==3.54.0 jiter==0.19.0 sniffio==1.3.1 anyio==4.16.0 idna==3.20 distro==1.9.0
     httpx2==2.16.2 httpcore2==2.16.2 truststore==0.10.5
