@@ -57,8 +57,10 @@ def test_warm_up_effect(mode: str, which: str, request: pytest.FixtureRequest) -
            first_after_warmup_s=seconds[0], steady_s=steady,
            first_over_steady=seconds[0] / steady)  # fmt: skip
     # New prompt lengths still cost a little once (attention shapes); 0.1 s covers that on the tiny
-    # model, whose whole job takes 0.09 s, without hiding a cold start (several seconds on 8B).
-    assert seconds[0] <= 1.5 * steady + 0.1, (warm, seconds)
+    # model, whose whole job takes 0.09 s. On the 8B shape exllamav3's first two jobs after warm-up
+    # measured 1.2 to 1.7 x steady over three runs on one host; a cold start adds about 2 s to a job
+    # of 1.1 s, which 2 x still catches.
+    assert seconds[0] <= 2 * steady + 0.1, (warm, seconds)
 
 
 def test_greedy_completion_is_repeatable(engine: Any) -> None:
