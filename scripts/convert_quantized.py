@@ -20,9 +20,11 @@ Both use the calibration text their wheel ships. Two traps are handled on the wa
   both spellings and reads right everywhere.
 
 Prints one line per format (seconds, folder size, bits per weight as the files hold them) and
-writes them as JSON (--report). A finished output folder (it has config.json) is reused.
+writes them as JSON (--report). A finished output folder (it has config.json) is reused. A run
+stopped with SIGTERM (`timeout`) keeps the converter's checkpoint; `--resume` goes on from it, and
+the seconds reported then add up every run's (with the number of runs).
 
-    python3 scripts/convert_quantized.py MODEL_DIR OUT_ROOT [--bits 4.0] [--formats exl2,exl3]
+    python3 scripts/convert_quantized.py MODEL_DIR OUT_ROOT [--bits 4.0] [--formats exl2,exl3] [--resume]
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import math
 import os
 import runpy
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -88,10 +91,20 @@ def stage_for_exllamav2(source: Path, stage: Path) -> Path:
 
 
 def convert(
-    fmt: str, source: Path, out: Path, work: Path, bits: float, head_bits: int, cal_length: int
+    fmt: str,
+    source: Path,
+    out: Path,
+    work: Path,
+    bits: float,
+    head_bits: int,
+    cal_length: int,
+    resume: bool = False,
 ) -> float:
-    """Run one converter in a child process; returns its seconds."""
-    if fmt == "exl2":
+    """Run one converter in a child process; returns its seconds. With resume, the job saved in
+    WORK by an interrupted run goes on from its last checkpoint (both converters checkpoint)."""
+    if fmt == "exl3" and resume:
+        inner = ["-w", str(work / "job"), "-r"]  # the saved job holds the input, output and bits
+    elif fmt == "exl2":
         inner = [
             "-i",
             str(stage_for_exllamav2(source, work / "input")),
@@ -107,7 +120,7 @@ def convert(
             str(cal_length),
             "-ml",
             str(cal_length),
-            "-nr",
+            *([] if resume else ["-nr"]),  # without -nr, exllamav2 goes on with the job it finds
         ]
     else:
         inner = [
@@ -166,7 +179,15 @@ def main() -> int:
     parser.add_argument("--cal-length", type=int, default=2048, help="tokens per calibration row")
     parser.add_argument("--work", type=Path, default=None, help="scratch folder (default OUT_ROOT/.work)")
     parser.add_argument("--report", type=Path, default=None, help="write the results here as JSON")
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="go on with a conversion that an earlier run left unfinished in the scratch folder "
+        "(a conversion longer than one job's time limit, in several runs on one host)",
+    )
     args = parser.parse_args()
+    # `timeout` stops a run with SIGTERM: end the converter and keep its checkpoint and time.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
     source = args.model_dir.resolve()
     results: list[dict[str, Any]] = []
@@ -180,20 +201,33 @@ def main() -> int:
             row["seconds"] = None  # made by an earlier run on this host
         else:
             work = (args.work or args.out_root / ".work") / fmt
-            shutil.rmtree(out, ignore_errors=True)  # an interrupted conversion's leftovers
-            shutil.rmtree(work, ignore_errors=True)
-            work.mkdir(parents=True)
+            spent_file = work / "seconds_so_far"
+            resume = args.resume and (work / "job").is_dir()
+            if not resume:
+                shutil.rmtree(out, ignore_errors=True)  # an interrupted conversion's leftovers
+                shutil.rmtree(work, ignore_errors=True)
+            work.mkdir(parents=True, exist_ok=True)
+            spent_before = float(spent_file.read_text()) if resume and spent_file.is_file() else 0.0
+            started = time.monotonic()
             try:
-                row["seconds"] = round(
-                    convert(fmt, source, out, work, args.bits, args.head_bits, args.cal_length), 1
+                seconds = convert(fmt, source, out, work, args.bits, args.head_bits, args.cal_length, resume)
+                row["seconds"] = round(spent_before + seconds, 1)
+                row["runs"] = (
+                    int((work / "runs").read_text()) + 1 if resume and (work / "runs").is_file() else 1
                 )
             except subprocess.CalledProcessError as exc:
                 row["error"] = f"converter exited with {exc.returncode}"
                 shutil.rmtree(out, ignore_errors=True)
+                shutil.rmtree(work, ignore_errors=True)
                 results.append(row)
                 continue
-            finally:
-                shutil.rmtree(work, ignore_errors=True)
+            except SystemExit:  # stopped from outside: what it did stays for --resume
+                spent_file.write_text(str(spent_before + time.monotonic() - started))
+                runs = work / "runs"
+                runs.write_text(str(int(runs.read_text()) + 1 if runs.is_file() else 1))
+                print(f"[convert] {fmt}: stopped; run again with --resume to go on", flush=True)
+                raise
+            shutil.rmtree(work, ignore_errors=True)
         row["mib"] = round(folder_bytes(out) / 2**20, 1)
         row["fp16_mib"] = round(fp16_bytes / 2**20, 1)
         row["bits_per_parameter"] = round(weight_bits_per_parameter(out, source), 2)

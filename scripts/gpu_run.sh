@@ -171,8 +171,9 @@ for stage in $stages; do
 m('$qmodel', preset='$preset', seed=0, device='cuda')"
             limit=$(allow 400)
             say "stage quant-bench: converting $preset (limit ${limit}s)"
+            # --resume: a conversion cut by the limit goes on in the next run on this host (8B: ~15 min of EXL3).
             timeout -k 10 "$limit" python3 scripts/convert_quantized.py "$qmodel" /tmp/models/quantized --bits 4.0 \
-                --report "/tmp/bench/convert_$preset.json" 2>&1 | tee "/tmp/bench/quant-convert-$preset.log"
+                --resume --formats "${QUANT_FORMATS:-exl2,exl3}" --report "/tmp/bench/convert_$preset.json" 2>&1 | tee "/tmp/bench/quant-convert-$preset.log"
             for fmt in exl2 exl3; do
                 folder=/tmp/models/quantized/$preset-$fmt-4bpw
                 engine=$([[ $fmt == exl2 ]] && echo exllamav2 || echo exllamav3)
