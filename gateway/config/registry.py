@@ -159,7 +159,8 @@ class ModelConfig(_Strict):
         default_factory=list,
         description="Models (names or aliases) that answer in this one's place, in order, when its queue is "
         "full or none of its workers is ready; the response's model says which answered. Not followed "
-        "further (a fallback's own fallbacks are not tried).",
+        "further (a fallback's own fallbacks are not tried). Generate models only (embeddings answer "
+        "from the named model).",
     )
     # Set from the engine's settings after they are checked (gateway.config.engine_check).
     _weight_dirs: tuple[Path, ...] = PrivateAttr(default=())
@@ -480,9 +481,16 @@ def _hub_refs(raw: Any, registry: Registry, source: Path) -> list[HubRef | None]
 
 
 def _check_fallbacks(registry: Registry, source: Path) -> None:
-    """Each fallback names another model of the same task."""
+    """Each fallback names another model of the same task; only generate models have fallbacks."""
     errors = []
     for model in registry.models:
+        if model.fallbacks and model.task != "generate":
+            # The embeddings route answers from the named model only: a fallback there would never act.
+            errors.append(
+                f"{source}: model {model.name!r}, field 'fallbacks': fallbacks apply to generate models; "
+                f"this model has task {model.task}"
+            )
+            continue
         for name in model.fallbacks:
             other = registry.model(name)
             where = f"{source}: model {model.name!r}, field 'fallbacks'"

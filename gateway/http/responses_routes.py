@@ -18,7 +18,7 @@ import time
 from collections.abc import Awaitable
 from typing import Any, TypeVar
 
-from quart import Blueprint, current_app, g, jsonify
+from quart import Blueprint, current_app, g, jsonify, request
 from quart_schema import validate_request
 
 from gateway.errors import InvalidRequest, NotFound, ServiceUnavailable
@@ -119,6 +119,13 @@ async def _ask(call: Awaitable[T], what: str) -> T:
         ) from None
 
 
+def _refuse_query() -> None:
+    """GET and DELETE take no query parameters here (OpenAI's `include`, `stream`, `starting_after`
+    replay or extend a response): a 400 naming the first, not a response that ignores it."""
+    for name in request.args:
+        raise InvalidRequest(f"query parameter {name} is not supported", param=name)
+
+
 async def _stored(response_id: str) -> StoredResponse:
     store = response_store()
     record = (
@@ -132,12 +139,14 @@ async def _stored(response_id: str) -> StoredResponse:
 @blueprint.get("/v1/responses/<response_id>")
 async def get_response(response_id: str) -> Any:
     """A stored response, as it was returned (only to the API key that created it)."""
+    _refuse_query()
     return jsonify((await _stored(response_id)).response)
 
 
 @blueprint.delete("/v1/responses/<response_id>")
 async def delete_response(response_id: str) -> Any:
     """Forget a stored response; later requests cannot continue it."""
+    _refuse_query()
     store = response_store()
     if store is None or not await _ask(store.delete(response_id, key_owner()), "delete a response"):
         raise NotFound(f"Response with id '{response_id}' not found.")

@@ -6,7 +6,9 @@ items with text parts; reasoning items a client sends back are dropped, as reaso
 earlier reasoning) the new turn, after the stored conversation that `previous_response_id` names;
 `max_output_tokens` and `text.format` become the chat's max_tokens and response_format. What this
 text-only endpoint would otherwise drop is a 400 naming it: `conversation` and `background` (no
-conversation objects, no background runs), tools, reasoning settings, `include`, `top_logprobs`.
+conversation objects, no background runs), tools, reasoning settings, `include`, `top_logprobs`,
+`text.verbosity`, a stored `prompt`, and any field the API does not name (a sampling setting of the
+chat API sent here, for example).
 """
 
 from __future__ import annotations
@@ -21,6 +23,14 @@ from gateway.http.schemas import ChatCompletionRequest, ChatMessage
 # The chat request's fields, by the names this API gives them.
 _CHAT_TO_RESPONSES = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text"}
 _NOT_KEPT = "{} is not supported: this gateway keeps stored responses (previous_response_id), not {}"
+# Fields of OpenAI's Responses API that cannot change this endpoint's text (it has no tools, no
+# service tiers, no prompt cache to steer): accepted and ignored. Any other field the schema does
+# not name is a 400 naming it: a sampling setting sent here (seed, stop, top_k ...) or a stored
+# prompt (`prompt`) would otherwise be dropped without a word.
+_IGNORED_FIELDS = frozenset({
+    "service_tier", "stream_options", "prompt_cache_key", "prompt_cache_retention", "safety_identifier",
+    "parallel_tool_calls", "max_tool_calls",
+})  # fmt: skip
 
 
 class ResponsesRequest(BaseModel):
@@ -71,6 +81,13 @@ class ResponsesRequest(BaseModel):
             raise InvalidRequest("top_logprobs is not supported on /v1/responses", param="top_logprobs")
         if self.truncation not in (None, "disabled"):
             raise InvalidRequest("truncation must be disabled: prompts are never cut", param="truncation")
+        verbosity = (self.text or {}).get("verbosity")
+        if verbosity not in (None, "medium"):
+            raise InvalidRequest("text.verbosity is not supported", param="text.verbosity")
+        for name in sorted(set(self.model_extra or {}) - _IGNORED_FIELDS):
+            if name == "prompt":
+                raise InvalidRequest("prompt (a stored prompt template) is not supported", param="prompt")
+            raise InvalidRequest(f"{name} is not supported on /v1/responses", param=name)
 
     def input_messages(self) -> list[ChatMessage]:
         """The new turn's messages (no instructions)."""

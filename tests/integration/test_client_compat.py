@@ -327,7 +327,19 @@ def test_responses_api_refuses_what_it_does_not_keep_or_honour(client: openai.Op
     for kwargs, param in (({"previous_response_id": "resp_1"}, "previous_response_id"),
                           ({"conversation": "conv_1"}, "conversation"),
                           ({"background": True}, "background"),
-                          ({"tools": [{"type": "web_search"}]}, "tools")):  # fmt: skip
+                          ({"tools": [{"type": "web_search"}]}, "tools"),
+                          ({"prompt": {"id": "pmpt_1"}}, "prompt"),
+                          ({"text": {"verbosity": "low"}}, "text.verbosity"),
+                          # a chat API sampling setting sent here would otherwise be dropped
+                          ({"extra_body": {"seed": 7}}, "seed")):  # fmt: skip
         with pytest.raises(openai.BadRequestError) as info:
             client.responses.create(model="m", input="x", **kwargs)  # type: ignore[arg-type]
         assert info.value.body["param"] == param  # type: ignore[index]
+    # Fields that cannot change this endpoint's text are accepted.
+    harmless = {"service_tier": "auto", "parallel_tool_calls": True, "safety_identifier": "u1"}
+    reply = client.responses.create(model="m", input="x", store=False, max_output_tokens=2, **harmless)
+    assert reply.status in ("completed", "incomplete")
+    # Query parameters that would replay or extend a stored response are refused, not ignored.
+    with pytest.raises(openai.BadRequestError) as info:
+        client.responses.retrieve("resp_1", include=["message.output_text.logprobs"])
+    assert str(info.value.body["param"]).startswith("include")  # type: ignore[index]

@@ -135,3 +135,37 @@ def test_usage_counts_each_prompt_once_whatever_n_and_their_lengths() -> None:
 def test_error_event_and_done_framing() -> None:
     assert sse_error({"error": {"code": "x"}}) == b'event: error\ndata: {"error":{"code":"x"}}\n\n'
     assert SSE_DONE == b"data: [DONE]\n\n"
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_tool_calls_are_read_from_the_answer_never_from_the_thinking(stream: bool) -> None:
+    from gateway.reasoning.parsers import parser_named as reasoning_parser
+    from gateway.reasoning.plan import ReasoningPlan
+    from gateway.serving.choice_text import TextPlan
+    from gateway.tools.parsers import parser_named as tool_parser
+    from gateway.tools.plan import ToolPlan
+
+    tools = ToolPlan("auto", parser=tool_parser("hermes"))
+    formatter = ResponseFormatter("chatcmpl-1", "m", chat=True, tools=tools, reasoning=True)
+    plan = TextPlan(reasoning=ReasoningPlan(reasoning_parser("deepseek_r1")))
+    chosen = Choice(None, 0, ChoiceInput(prompt="p"), SamplingParams(), text_plan=plan)  # type: ignore[arg-type]
+    # The model thinks about a call, markup and all, then answers in plain text.
+    thought = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+    outputs = [JobOutput("r", thought, [1]), JobOutput("r", "</think>", [2]),
+               JobOutput("r", "It is sunny.", [3], FinishReason.STOP, Usage(5, 3))]  # fmt: skip
+    chunks = []
+    for output in outputs:
+        delta = chosen.text.take(output)[0]  # as the request owner turns each output into a Delta
+        chosen.output.add(delta)
+        chunks.append(formatter.delta_chunk(chosen, delta, with_usage=False))
+    if stream:
+        deltas = [d["choices"][0]["delta"] for c in chunks if c for d in [decode(c)]]
+        assert "".join(d.get("reasoning_content", "") for d in deltas) == thought
+        assert "".join(d.get("content") or "" for d in deltas) == "It is sunny."
+        assert not any("tool_calls" in d for d in deltas), deltas
+        assert [decode(c)["choices"][0]["finish_reason"] for c in chunks if c][-1] == "stop"
+    else:
+        message = formatter.final_body([chosen])["choices"][0]
+        assert message["message"]["reasoning_content"] == thought
+        assert message["message"]["content"] == "It is sunny."
+        assert not message["message"].get("tool_calls") and message["finish_reason"] == "stop"

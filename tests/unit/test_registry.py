@@ -122,7 +122,8 @@ def test_example_registries_are_valid(path: Path) -> None:
             [
                 "model 'm1', field 'fallbacks': 'nope' is not a model",
                 "model 'm1', field 'fallbacks': 'm2' has task embed, this model has task generate",
-                "model 'm2', field 'fallbacks': 'm2' is this model itself",
+                "model 'm2', field 'fallbacks': fallbacks apply to generate models; this model has task "
+                "embed",
             ],
         ),
     ],
