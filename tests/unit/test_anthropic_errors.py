@@ -27,8 +27,10 @@ def test_each_status_has_anthropics_error_type(status: int, kind: str) -> None:
 
 @pytest.mark.parametrize(
     ("error", "kind"),
-    [(QueueFull("the queue is full"), "rate_limit_error"), (ServiceUnavailable("no worker"), "overloaded_error"),
-     (WorkerFailed("the worker died"), "overloaded_error"), (RequestTimeout("deadline"), "timeout_error")],
+    [(QueueFull("the queue is full"), "rate_limit_error"),
+     (ServiceUnavailable("no worker"), "overloaded_error"),
+     (WorkerFailed("the worker died"), "overloaded_error"),
+     (RequestTimeout("deadline"), "timeout_error")],
 )  # fmt: skip
 def test_a_failure_mid_stream_is_an_error_event(error: Exception, kind: str) -> None:
     formatter = MessagesFormatter("m", ToolPlan("none"))
