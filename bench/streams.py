@@ -49,11 +49,22 @@ class Round:
     chunks: int = 0  # HTTP rounds: content chunks received, to check one token per chunk
     client_cpu_s: float = 0.0  # HTTP rounds: CPU time of the benchmark's own client process
     worker_cpu_s: float | None = None  # gateway rounds: CPU time of the worker process meanwhile
+    # gateway rounds: share of samples in which another busy thread ran on the engine thread's core
+    engine_core_shared: float | None = None
 
     @property
     def seconds(self) -> float:
         """First request to last token."""
         return max(s.token_times[-1] for s in self.streams) - min(s.started for s in self.streams)
+
+    @property
+    def tok_s(self) -> float:
+        """Every stream's tokens over the round's seconds."""
+        return sum(s.tokens for s in self.streams) / self.seconds
+
+    @property
+    def ttft_p50(self) -> float:
+        return percentile([s.ttft for s in self.streams], 0.5)
 
 
 def raw_round(
@@ -175,13 +186,28 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(len(ordered) * q))]
 
 
+def paired(rounds: list[Round], raw: list[Round]) -> dict[str, Any]:
+    """Each round against the raw round of the same turn (rounds interleave, so the two ran seconds
+    apart): the host's CPU speed drifts by up to 1.7x over a run, and a ratio of two medians taken
+    from different minutes carries that drift, while a ratio within one turn mostly cancels it."""
+    ratios = sorted(r.tok_s / base.tok_s for r, base in zip(rounds, raw, strict=True))
+    added = sorted(1000 * (r.ttft_p50 - base.ttft_p50) for r, base in zip(rounds, raw, strict=True))
+    return {
+        "paired_ratio": ratios[len(ratios) // 2],
+        "paired_ratio_min": ratios[0],
+        "paired_ratio_max": ratios[-1],
+        "paired_ttft_added_ms": added[len(added) // 2],
+        "paired_ttft_added_ms_min": added[0],
+        "paired_ttft_added_ms_max": added[-1],
+    }
+
+
 def summarize(rounds: list[Round]) -> dict[str, Any]:
     """Per-round total rate (median over rounds) and per-stream, TTFT and gap percentiles over all."""
     streams = [s for r in rounds for s in r.streams]
     gaps = [g for s in streams for g in s.gaps]
     steps = [t for r in rounds for t in r.step_seconds]
-    totals = [sum(s.tokens for s in r.streams) / (max(s.token_times[-1] for s in r.streams)
-              - min(s.started for s in r.streams)) for r in rounds]  # fmt: skip
+    totals = [r.tok_s for r in rounds]
     tokens = sum(s.tokens for s in streams)
     client_cpu = sum(r.client_cpu_s for r in rounds)
     mean_gap = sum(gaps) / len(gaps) if gaps else 0.0

@@ -234,6 +234,7 @@ def main() -> int:
         results.append(row)
         print(f"[convert] {fmt}: {row}", flush=True)
     if args.report:
+        args.report.parent.mkdir(parents=True, exist_ok=True)  # a run's first stage may be this one
         args.report.write_text(json.dumps(results, indent=2) + "\n")
     print("\n| format | target bpw | seconds | MiB (FP16 MiB) | bits per parameter |\n|---|---|---|---|---|")
     for row in results:

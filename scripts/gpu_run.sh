@@ -25,7 +25,8 @@
 #                     --compare-threads --trace"); BENCH_CAP_S their time cap
 #   TRAIN_SECONDS     real-model: how long the model trains (default 120)
 #   QUANT_PRESET      quant-bench: the demo shape converted to 4 bpw EXL2 and EXL3 and benchmarked
-#                     (default 1b; llama3-8b where its conversions fit the run)
+#                     (default 1b; llama3-3b, the Llama 3.2 3B shape; llama3-8b where its conversions
+#                     fit the run); QUANT_FORMATS (default exl2,exl3), QUANT_BENCH_ARGS for its benchmark
 # A py-spy wheel in .tools/ (optional) makes the benchmarks profile one round of each path.
 set -uo pipefail
 
@@ -170,6 +171,7 @@ for stage in $stages; do
             [[ -f $qmodel/config.json ]] || python3 -c "from gateway.demo.model import make_demo_model as m
 m('$qmodel', preset='$preset', seed=0, device='cuda')"
             limit=$(allow 400)
+            mkdir -p /tmp/bench
             say "stage quant-bench: converting $preset (limit ${limit}s)"
             # --resume: a conversion cut by the limit goes on in the next run on this host (8B: ~15 min of EXL3).
             timeout -k 10 "$limit" python3 scripts/convert_quantized.py "$qmodel" /tmp/models/quantized --bits 4.0 \
@@ -178,7 +180,8 @@ m('$qmodel', preset='$preset', seed=0, device='cuda')"
                 folder=/tmp/models/quantized/$preset-$fmt-4bpw
                 engine=$([[ $fmt == exl2 ]] && echo exllamav2 || echo exllamav3)
                 if [[ -f $folder/config.json ]]; then
-                    run_bench "bench-$fmt" 200 --engine "$engine" --model "$folder" --paths raw,gateway
+                    run_bench "bench-$fmt" 200 --engine "$engine" --model "$folder" --paths raw,gateway \
+                        ${QUANT_BENCH_ARGS:-}
                 else
                     status[bench-$fmt]="skipped (no $fmt folder)"
                 fi

@@ -1,0 +1,148 @@
+"""CPU placement for the GPU benchmark: which cores the worker, the gateway and the client run on.
+
+Imported by bench/bench_engines.py (a standalone benchmark process on a GPU host). Owns the host's
+core topology (SMT siblings), pinning every thread of a process to a set of CPUs, and a sampler
+that watches, while a round runs, whether another busy thread shares the physical core of the
+worker's engine thread. An exllama step beyond a batch of 8 is CPU-bound Python, so a sibling
+hyperthread busy with the client or the gateway slows every step of that round.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+
+def physical_cores() -> dict[int, int]:
+    """cpu -> the lowest cpu of its physical core (its SMT siblings map to the same number)."""
+    cores = {}
+    for cpu in sorted(os.sched_getaffinity(0)):
+        siblings = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list")
+        try:
+            cores[cpu] = min(_cpu_list(siblings.read_text()))
+        except (OSError, ValueError):
+            cores[cpu] = cpu
+    return cores
+
+
+def _cpu_list(text: str) -> list[int]:
+    cpus: list[int] = []
+    for part in text.strip().split(","):
+        first, _, last = part.partition("-")
+        cpus += range(int(first), int(last or first) + 1)
+    return cpus
+
+
+def topology() -> dict[str, object]:
+    cores = physical_cores()
+    model = ""
+    try:
+        model = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                     if line.startswith("model name"))  # fmt: skip
+    except (OSError, StopIteration):
+        pass
+    return {"cpus": len(cores), "physical_cores": len(set(cores.values())), "model": model}
+
+
+def split_cores() -> tuple[set[int], set[int]]:
+    """(the worker's CPUs: one whole physical core, the last; every other CPU) for pinned rounds."""
+    cores = physical_cores()
+    last = max(cores.values())
+    own = {cpu for cpu, core in cores.items() if core == last}
+    return own, set(cores) - own
+
+
+def _threads(pid: int) -> list[int]:
+    try:
+        return [int(tid) for tid in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        return []
+
+
+def pin(pid: int, cpus: Iterable[int]) -> None:
+    """Every thread of the process (threads made later inherit from their creator)."""
+    wanted = set(cpus)
+    for tid in _threads(pid):
+        try:
+            os.sched_setaffinity(tid, wanted)
+        except OSError:  # a thread that ended meanwhile
+            pass
+
+
+@contextmanager
+def placed(placement: dict[int, set[int]]) -> Iterator[None]:
+    """Pin each pid's threads to its CPUs for the block; then every thread may run anywhere again."""
+    everywhere = set(physical_cores())
+    for pid, cpus in placement.items():
+        pin(pid, cpus)
+    try:
+        yield
+    finally:
+        for pid in placement:
+            pin(pid, everywhere)
+
+
+class SiblingWatch:
+    """Samples, every 20 ms, the CPU of the worker's engine thread and of every running thread of
+    the other processes; counts the samples in which one of them ran on the same physical core.
+    The sampler is a process of its own: a thread here would see this process's other threads
+    only while they wait for its GIL, never running."""
+
+    def __init__(self, engine_thread: tuple[int, int], others: list[int]) -> None:
+        pid, tid = engine_thread
+        self._command = [sys.executable, str(Path(__file__).resolve()), str(pid), str(tid),
+                         *(str(other) for other in others)]  # fmt: skip
+        self._process: subprocess.Popen[str] | None = None
+        self.samples = 0
+        self.shared = 0
+
+    def __enter__(self) -> SiblingWatch:
+        self._process = subprocess.Popen(
+            self._command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        assert self._process is not None
+        out, _ = self._process.communicate("", timeout=30)  # its stdin closes: it reports and ends
+        self.samples, self.shared = (int(n) for n in out.split())
+
+    @property
+    def shared_fraction(self) -> float | None:
+        return round(self.shared / self.samples, 3) if self.samples else None
+
+
+def _watch(engine: tuple[int, int], others: list[int], stop: threading.Event) -> tuple[int, int]:
+    cores = physical_cores()
+    samples = shared = 0
+    while not stop.wait(0.02):
+        cpu = _running_cpu(*engine)
+        if cpu is None:
+            continue
+        samples += 1
+        core = cores.get(cpu)
+        running = (_running_cpu(pid, tid) for pid in others for tid in _threads(pid) if (pid, tid) != engine)
+        if any(other is not None and cores.get(other) == core for other in running):
+            shared += 1
+    return samples, shared
+
+
+def _running_cpu(pid: int, tid: int) -> int | None:
+    """The CPU a thread runs on now, or None when it is not running."""
+    try:
+        fields = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return int(fields[36]) if fields[0] == "R" else None
+
+
+if __name__ == "__main__":  # the sampler process: ENGINE_PID ENGINE_TID OTHER_PID...; stops at stdin's end
+    stop = threading.Event()
+    threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
+    pid, tid, *rest = (int(arg) for arg in sys.argv[1:])
+    print(*_watch((pid, tid), rest, stop))
