@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -93,9 +94,10 @@ class SiblingWatch:
     The sampler is a process of its own: a thread here would see this process's other threads
     only while they wait for its GIL, never running."""
 
-    def __init__(self, engine_thread: tuple[int, int], others: list[int]) -> None:
+    def __init__(self, engine_thread: tuple[int, int], others: list[int], min_samples: int = 0) -> None:
         pid, tid = engine_thread
-        self._command = [sys.executable, str(Path(__file__).resolve()), str(pid), str(tid),
+        # At its end it goes on until it holds min_samples (for at most 10 s more).
+        self._command = [sys.executable, str(Path(__file__).resolve()), str(pid), str(tid), str(min_samples),
                          *(str(other) for other in others)]  # fmt: skip
         self._process: subprocess.Popen[str] | None = None
         self.samples = 0
@@ -117,10 +119,18 @@ class SiblingWatch:
         return round(self.shared / self.samples, 3) if self.samples else None
 
 
-def _watch(engine: tuple[int, int], others: list[int], stop: threading.Event) -> tuple[int, int]:
+def _watch(
+    engine: tuple[int, int], others: list[int], stop: threading.Event, min_samples: int
+) -> tuple[int, int]:
     cores = physical_cores()
     samples = shared = 0
-    while not stop.wait(0.02):
+    deadline: float | None = None
+    while not stop.wait(0.02) or samples < min_samples:
+        if stop.is_set():  # stop.wait() no longer paces the samples
+            deadline = deadline or time.monotonic() + 10.0
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.02)
         cpu = _running_cpu(*engine)
         if cpu is None:
             continue
@@ -144,5 +154,5 @@ def _running_cpu(pid: int, tid: int) -> int | None:
 if __name__ == "__main__":  # the sampler process: ENGINE_PID ENGINE_TID OTHER_PID...; stops at stdin's end
     stop = threading.Event()
     threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
-    pid, tid, *rest = (int(arg) for arg in sys.argv[1:])
-    print(*_watch((pid, tid), rest, stop))
+    pid, tid, min_samples, *rest = (int(arg) for arg in sys.argv[1:])
+    print(*_watch((pid, tid), rest, stop, min_samples))

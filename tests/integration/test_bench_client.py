@@ -7,7 +7,13 @@ bench/bench_engines.py points at our gateway and at any peer server (--peer).
 
 from __future__ import annotations
 
-from bench.streams import Round, Stream, http_round, summarize
+import subprocess
+import sys
+
+import pytest
+
+from bench.cpu_placement import SiblingWatch, physical_cores, placed
+from bench.streams import Round, Stream, http_round, paired, summarize
 from tests.harness import GatewayProcess
 
 
@@ -30,3 +36,48 @@ def test_the_summary_reports_the_median_and_the_spread_of_rounds() -> None:
     summary = summarize([round_of(100.0), round_of(300.0), round_of(200.0)])
     assert (summary["tok_s_total_min"], summary["tok_s_total"], summary["tok_s_total_max"]) == (
         100.0, 200.0, 300.0)  # fmt: skip
+
+
+def test_paired_ratios_divide_each_round_by_the_raw_round_of_its_turn() -> None:
+    """The host drifts between turns; a ratio within a turn must cancel that drift."""
+
+    def round_of(first_token_s: float, stretch: float = 1.0) -> Round:
+        """11 tokens, one every first_token_s; every time stretched by `stretch` (a slower path)."""
+        return Round([Stream(0.0, [stretch * first_token_s * (i + 1) for i in range(11)])])
+
+    raw = [round_of(0.010), round_of(0.020), round_of(0.005)]
+    gateway = [round_of(0.010, 1 / 0.95), round_of(0.020, 1 / 0.95), round_of(0.005, 1 / 0.95)]
+    result = paired(gateway, raw)
+    # Every turn is 0.95 x its raw round, though the host's speed halves and quadruples between turns.
+    for key in ("paired_ratio", "paired_ratio_min", "paired_ratio_max"):
+        assert result[key] == pytest.approx(0.95)
+    # The first token comes 1/0.95 - 1 of its raw time later: 0.26, 0.53 and 1.05 ms.
+    assert result["paired_ttft_added_ms"] == pytest.approx(10 / 19)
+    assert result["paired_ttft_added_ms_min"] == pytest.approx(5 / 19)
+    assert result["paired_ttft_added_ms_max"] == pytest.approx(20 / 19)
+
+
+def test_the_sibling_watch_sees_two_busy_processes_on_one_core() -> None:
+    """bench/cpu_placement.py: the sampler process reports a shared core only when another busy
+    thread runs on the engine thread's physical core."""
+    busy = [sys.executable, "-c", "while True: pass"]
+    engine, other = subprocess.Popen(busy), subprocess.Popen(busy)
+    try:
+        cores = physical_cores()
+        first = min(cores)
+        elsewhere = {cpu for cpu, core in cores.items() if core != cores[first]}
+        with placed({engine.pid: {first}, other.pid: {first}}):
+            with SiblingWatch((engine.pid, engine.pid), [other.pid], min_samples=20) as together:
+                pass
+        assert together.samples > 0 and together.shared_fraction is not None
+        assert together.shared_fraction > 0.5
+        if elsewhere:  # a host of one core cannot hold them apart
+            with placed({engine.pid: {first}, other.pid: elsewhere}):
+                with SiblingWatch((engine.pid, engine.pid), [other.pid], min_samples=20) as apart:
+                    pass
+            assert apart.samples > 0 and apart.shared_fraction == 0.0
+    finally:
+        engine.kill()
+        other.kill()
+        engine.wait()
+        other.wait()
