@@ -153,6 +153,11 @@ def _running_cpu(pid: int, tid: int) -> int | None:
 
 if __name__ == "__main__":  # the sampler process: ENGINE_PID ENGINE_TID OTHER_PID...; stops at stdin's end
     stop = threading.Event()
-    threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
+
+    def stop_at_end_of_input() -> None:
+        sys.stdin.read()
+        stop.set()
+
+    threading.Thread(target=stop_at_end_of_input, daemon=True).start()
     pid, tid, min_samples, *rest = (int(arg) for arg in sys.argv[1:])
     print(*_watch((pid, tid), rest, stop, min_samples))
