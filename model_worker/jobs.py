@@ -7,10 +7,17 @@ refusal of a request id already running, the scoring pass for prompt logprobs, t
 while their output constraint compiles in its own process (the loop keeps stepping every other job
 meanwhile), the set of live job ids (for cancels and for aborting at shutdown), and, while tracing is
 on, the jobs' spans (model_worker.tracing), told of each job's start, answer, outputs and end.
+
+It also owns the worker's own capacity (`spec.max_jobs`, `spec.max_queue`; 0: none, a spawned
+worker whose gateway admits). Several gateways may send to one worker, each knowing the others'
+load only from heartbeats, so the worker is the one that holds the line: at most max_jobs jobs run,
+at most max_queue more wait here (answered Accepted once they start), and past that a Generate is
+refused with `worker_full`, which a gateway takes to another replica or answers 429/503.
 """
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +31,7 @@ from model_worker.prompt_desk import PreparedJob
 from wire import messages as wire
 from wire.params import WorkerSpec
 from wire.results import AbortReason, FinishReason, JobOutput, RejectCode, TokenLogprob, Usage
+from wire.stats import WorkerLoad
 
 
 @dataclass(eq=False)
@@ -43,8 +51,13 @@ class JobDesk:
         self.engine, self.spec = engine, spec
         self.send = send
         self.live: set[str] = set()
+        # Admitted beyond max_jobs: started in arrival order as running jobs end.
+        self._queued: collections.OrderedDict[str, tuple[wire.Generate, list[int]]] = (
+            collections.OrderedDict()
+        )
         self.spans = tracing.job_spans(spec.name) if tracing.ENABLED else None
         self._parked: list[_Parked] = []
+        self._starts_pending = False
         # Prompt logprobs computed at submit, sent with the job's first output.
         self._prompt_logprobs: dict[str, list[TokenLogprob]] = {}
         # Engines that enforce constraints with lm-format-enforcer (they build its tokenizer data in
@@ -64,12 +77,36 @@ class JobDesk:
         """Jobs are parked: the loop must keep turning (briefly) even with nothing to step."""
         return bool(self._parked)
 
+    def load(self) -> WorkerLoad:
+        """What the heartbeat reports: jobs held against the cap (`yours` is the link's to fill in)."""
+        active = len(self.live) + len(self._parked)
+        queued = len(self._queued)
+        return WorkerLoad(active, queued, self.spec.max_jobs, self.spec.max_queue, active + queued)
+
+    def _full(self) -> bool:
+        cap = self.spec.max_jobs
+        held = len(self.live) + len(self._parked) + len(self._queued)
+        return cap > 0 and held >= cap + self.spec.max_queue
+
+    def _running_full(self) -> bool:
+        return self.spec.max_jobs > 0 and len(self.live) + len(self._parked) >= self.spec.max_jobs
+
     def generate(self, prepared: PreparedJob) -> None:
         msg = prepared.message
-        if msg.rid in self.live or any(p.message.rid == msg.rid for p in self._parked):
+        if (
+            msg.rid in self.live
+            or msg.rid in self._queued
+            or any(p.message.rid == msg.rid for p in self._parked)
+        ):
             # Sent as is: the span under this id (if traced) belongs to the job already running.
             message = f"request id {msg.rid!r} is already running"
             self.send(wire.Rejected(msg.rid, RejectCode.DUPLICATE_REQUEST_ID, message, "rid"))
+            return
+        if self._full():
+            held = f"{len(self.live) + len(self._parked)} running, {len(self._queued)} queued"
+            caps = f"max_jobs {self.spec.max_jobs}, max_queue {self.spec.max_queue}"
+            message = f"the worker is at capacity ({held}; {caps})"
+            self.send(wire.Rejected(msg.rid, RejectCode.WORKER_FULL, message, None))
             return
         if self.spans is not None:
             self.spans.start(msg)
@@ -84,7 +121,16 @@ class JobDesk:
         except RequestRejected as exc:
             self._reject(msg.rid, exc)
             return
+        if self._running_full():
+            self._queued[msg.rid] = (msg, prompt_ids)  # answered when it starts
+            return
         self._start(msg, prompt_ids)
+
+    def _start_queued(self) -> None:
+        """Running jobs ended: the longest waiting start, as many as there is room for."""
+        while self._queued and not self._running_full():
+            _, (msg, prompt_ids) = self._queued.popitem(last=False)
+            self._start(msg, prompt_ids)
 
     def settle(self) -> None:
         """Start the parked jobs whose constraint is ready; refuse those that cannot have one."""
@@ -133,13 +179,25 @@ class JobDesk:
         logprobs."""
         if self.spans is not None:
             self.spans.outputs(outputs)
+        ended = False
         for index, output in enumerate(outputs):
             if output.finish_reason is not None:
                 self.live.discard(output.rid)
+                ended = True
             if self._prompt_logprobs and output.rid in self._prompt_logprobs:
                 scored = self._prompt_logprobs.pop(output.rid)
                 outputs[index] = msgspec.structs.replace(output, prompt_logprobs=scored)
+        if ended and self._queued:
+            # After this step's frame is handed over (the caller sends it first): the started jobs'
+            # Accepted then follows the outputs that made room for them.
+            self._starts_pending = True
         return outputs
+
+    def start_waiting(self) -> None:
+        """Start queued jobs that the last step made room for (the loop calls it after sending)."""
+        if self._starts_pending:
+            self._starts_pending = False
+            self._start_queued()
 
     def _reject(self, rid: str, exc: RequestRejected) -> None:
         self.send(wire.Rejected(rid, exc.code, exc.message, exc.param))
@@ -152,7 +210,11 @@ class JobDesk:
         self.live.discard(rid)
         self._prompt_logprobs.pop(rid, None)
         self._parked = [p for p in self._parked if p.message.rid != rid]
-        return self.engine.cancel(rid)
+        if self._queued.pop(rid, None) is not None:
+            return True  # never reached the engine
+        cancelled = self.engine.cancel(rid)
+        self._start_queued()
+        return cancelled
 
     def abort_all(self, reason: str) -> None:
         rids = sorted(self.live)
@@ -162,6 +224,9 @@ class JobDesk:
         for parked in self._parked:
             self._reject(parked.message.rid, RequestRejected(RejectCode.SHUTTING_DOWN, reason, None))
         self._parked.clear()
+        for rid in list(self._queued):
+            self._reject(rid, RequestRejected(RejectCode.SHUTTING_DOWN, reason, None))
+        self._queued.clear()
         if rids:
             self.send(wire.JobsAborted(rids, AbortReason.SHUTDOWN, reason))
             if self.spans is not None:

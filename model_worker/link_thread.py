@@ -1,4 +1,4 @@
-"""The worker's link: the one thread that touches the DEALER socket, and the one that prepares prompts.
+"""The worker's link: the one thread that touches its socket, and the one that prepares prompts.
 
 Runs in the worker process, on two threads of its own beside the engine thread
 (model_worker.serve_loop). The link thread owns the socket from `start()` to `close()`: it reads
@@ -15,6 +15,11 @@ Nothing is ever dropped: when ZeroMQ's queue to the gateway is full, the frame w
 the gateway catches up). A gateway that takes nothing for `patience_s` is gone or wedged, and the
 link fails loudly (PeerUnresponsive), as does any error on this thread: the engine thread raises it
 at its next call, which is fatal for the worker, so the gateway's liveness checks end its requests.
+
+The socket is a DEALER connected to one gateway, or (`model-worker --listen`) a ROUTER that several
+gateways connect to: then model_worker.gateway_peers says which gateway each frame goes to, and a
+gateway that is gone (silent, unroutable, or unresponsive for the patience) loses its jobs, which are
+cancelled through the prompt thread like any Cancel, while the worker serves the others.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from wire import messages as wire
 from wire.codec import ProtocolError
 
 if TYPE_CHECKING:
+    from model_worker.gateway_peers import GatewayPeers
     from model_worker.prompt_desk import PromptDesk
 
 logger = logging.getLogger(__name__)
@@ -54,8 +60,15 @@ class _LinkFailed:
 
 
 class LinkThread:
-    def __init__(self, sock: zmq.Socket, patience_s: float, forward: frozenset[type[wire.Message]]) -> None:
+    def __init__(
+        self,
+        sock: zmq.Socket,
+        patience_s: float,
+        forward: frozenset[type[wire.Message]],
+        peers: GatewayPeers | None = None,
+    ) -> None:
         self._sock = sock
+        self._peers = peers  # a listening worker's gateways; None: one gateway, over a DEALER
         self._forward = forward  # the message types the engine thread takes as they are
         self.patience_s = patience_s
         self.waits = 0  # how often a frame found the queue to the gateway full (a pause, never a loss)
@@ -64,9 +77,11 @@ class LinkThread:
         self._to_prepare: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._outbound: queue.Queue[wire.Message] = queue.Queue(MAX_OUTBOUND)
         self._replies: collections.deque[wire.Message] = collections.deque()  # the prompt thread's
-        self._pending: bytes | None = None  # an encoded frame ZeroMQ had no room for yet
+        # Encoded frames (with their gateway's id when listening) ZeroMQ has not taken yet, in order.
+        self._pending: collections.deque[tuple[bytes | None, bytes]] = collections.deque()
         self._pending_since = 0.0
         self._desk: PromptDesk | None = None
+        self._desk_set = threading.Event()  # the prompt thread waits for it (a listener reads early)
         self._stopping = False
         # The doorbell: the engine thread writes a byte after each hand-over, this thread polls it
         # beside the socket (a socket must not be shared between threads, a pipe may).
@@ -96,6 +111,7 @@ class LinkThread:
         """Start reading the gateway's frames (until now they wait in the socket): the model is
         loaded, so prompts can be prepared."""
         self._desk = desk
+        self._desk_set.set()
         self._ring()
 
     def send(self, message: wire.Message) -> None:
@@ -148,6 +164,7 @@ class LinkThread:
         """Send what is queued (for up to flush_s) and stop the thread; True once the socket is the
         caller's again. A thread that stopped on an error leaves its frames to be tried here."""
         deadline = time.monotonic() + flush_s
+        self._desk_set.set()  # a prompt thread still waiting for a model sees the stop instead
         self._to_prepare.put(_STOP)
         if self._prompt_thread.is_alive():  # its last replies go out with the rest
             self._prompt_thread.join(flush_s)
@@ -199,9 +216,9 @@ class LinkThread:
         poller.register(self._bell_read, zmq.POLLIN)
         watched = 0
         while True:
-            wanted = (zmq.POLLIN if self._desk is not None else 0) | (
-                zmq.POLLOUT if self._pending is not None else 0
-            )
+            # A listener reads at once: gateways that connect while it loads are told so (and ping).
+            reading = self._desk is not None or self._peers is not None
+            wanted = (zmq.POLLIN if reading else 0) | (zmq.POLLOUT if self._pending else 0)
             if wanted != watched:
                 if wanted:
                     poller.register(self._sock, wanted)
@@ -209,13 +226,15 @@ class LinkThread:
                     poller.unregister(self._sock)
                 watched = wanted
             # A frame waiting for room is retried at least every 100 ms, to judge the patience.
-            events = dict(poller.poll(100 if self._pending is not None else 1000))
+            events = dict(poller.poll(100 if self._pending else 1000))
             if self._bell_read in events:
                 self._clear_bell()
             if events.get(self._sock, 0) & zmq.POLLIN:
                 self._receive()
+            if self._peers is not None:
+                self._cancel(self._peers.expire(time.monotonic()))
             self._flush()
-            if self._stopping and self._pending is None and not self._replies and self._outbound.empty():
+            if self._stopping and not self._pending and not self._replies and self._outbound.empty():
                 return
 
     def _clear_bell(self) -> None:
@@ -228,23 +247,41 @@ class LinkThread:
     def _receive(self) -> None:
         while True:
             try:
-                frame = self._sock.recv(zmq.NOBLOCK)
+                frames = self._sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
+            frame = frames[-1]
             try:
                 message = wire.decode(frame)
             except ProtocolError as exc:
                 logger.warning("dropped a bad frame (%d bytes): %s", len(frame), exc)
                 continue
+            if self._peers is not None:
+                if len(frames) != 2:
+                    logger.warning("dropped a message of %d frames", len(frames))
+                    continue
+                forward, replies, cancels = self._peers.on_frame(frames[0], message, time.monotonic())
+                self._pending.extend((peer, wire.encode(reply)) for peer, reply in replies)
+                self._cancel(cancels)
+                if not forward:
+                    continue
             if type(message) in self._handlers or type(message) in self._forward:
                 self._to_prepare.put(message)
             else:
                 logger.warning("dropped an unexpected %s frame", type(message).__name__)
 
+    def _cancel(self, rids: list[str]) -> None:
+        """Jobs of a gateway that is gone: cancelled in their turn, after their Generate."""
+        for rid in rids:
+            self._to_prepare.put(wire.Cancel(rid))
+
     # ---- the prompt thread -------------------------------------------------------------------
 
     def _prepare_loop(self) -> None:
         while (message := self._to_prepare.get()) is not _STOP:
+            self._desk_set.wait()  # frames read while the model loads wait for it here
+            if self._desk is None:
+                continue  # stopping before the model was ever loaded
             handler = self._handlers.get(type(message))
             if handler is not None:
                 handler(message)
@@ -268,23 +305,51 @@ class LinkThread:
     def _flush(self) -> None:
         """Hand every queued frame to ZeroMQ, in order, until its queue is full."""
         while True:
-            if self._pending is None:
+            if not self._pending:
                 message = self._next_message()
                 if message is None:
                     return
-                self._pending = wire.encode(message)
+                self._pending.extend(self._encode(message))
                 self._pending_since = 0.0
+                continue
+            peer, frame = self._pending[0]
             try:
-                self._sock.send(self._pending, zmq.NOBLOCK)
+                if peer is None:
+                    self._sock.send(frame, zmq.NOBLOCK)
+                else:
+                    self._sock.send_multipart([peer, frame], zmq.NOBLOCK)
             except zmq.Again:
                 now = time.monotonic()
                 if not self._pending_since:
                     self._pending_since = now
                     self.waits += 1
                 elif now - self._pending_since > self.patience_s:
-                    raise PeerUnresponsive(f"the gateway took no frame for {self.patience_s:g}s") from None
+                    if peer is None:
+                        raise PeerUnresponsive(
+                            f"the gateway took no frame for {self.patience_s:g}s"
+                        ) from None
+                    self._lose(peer, f"it took no frame for {self.patience_s:g}s")
+                    continue
                 return
-            self._pending = None
+            except zmq.ZMQError as exc:
+                if peer is None or exc.errno != zmq.EHOSTUNREACH:
+                    raise
+                self._lose(peer, "its connection is gone")  # killed, or its host cut off
+                continue
+            self._pending.popleft()
+            self._pending_since = 0.0
+
+    def _encode(self, message: wire.Message) -> list[tuple[bytes | None, bytes]]:
+        if self._peers is None:
+            return [(None, wire.encode(message))]
+        return [(peer, wire.encode(routed)) for peer, routed in self._peers.route(message)]
+
+    def _lose(self, peer: bytes, why: str) -> None:
+        """A listening worker's gateway is gone: its frames are dropped and its jobs cancelled."""
+        assert self._peers is not None
+        self._cancel(self._peers.drop(peer, why))
+        self._pending = collections.deque(item for item in self._pending if item[0] != peer)
+        self._pending_since = 0.0
 
     def _next_message(self) -> wire.Message | None:
         if self._replies:
@@ -297,10 +362,13 @@ class LinkThread:
     def _send_leftovers(self) -> None:
         """On the engine thread, once the link thread has ended: what can go out without waiting."""
         try:
-            if self._pending is not None:
-                self._sock.send(self._pending, zmq.NOBLOCK)
-                self._pending = None
             while (message := self._next_message()) is not None:
-                self._sock.send(wire.encode(message), zmq.NOBLOCK)
+                self._pending.extend(self._encode(message))
+            while self._pending:
+                peer, frame = self._pending.popleft()
+                if peer is None:
+                    self._sock.send(frame, zmq.NOBLOCK)
+                else:
+                    self._sock.send_multipart([peer, frame], zmq.NOBLOCK)
         except (zmq.ZMQError, ValueError, TypeError):  # a full queue, or the frame that failed here
             logger.warning("the last frames to the gateway could not be sent")

@@ -2,7 +2,9 @@
 
 Runs in the worker process. Owns process-level set-up that must happen before torch is imported:
 `CUDA_VISIBLE_DEVICES`, the parent-death signal, logging. The gateway spawns it with
-`python -m model_worker --connect ipc://... --worker-id ID --spec JSON`.
+`python -m model_worker --connect ipc://... --worker-id ID --spec JSON`. A remote worker connects to
+one gateway (`--connect tcp://...`); in cluster mode a worker is a service of its own that listens
+(`--listen tcp://...`), serves every gateway whose key is authorized, and outlives any of them.
 """
 
 from __future__ import annotations
@@ -63,13 +65,23 @@ def _route_transformers_logs() -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="model-worker", description=__doc__.splitlines()[0])
-    parser.add_argument("--connect", required=True, help="gateway endpoint, e.g. ipc:///run/gw/workers.sock")
+    where = parser.add_mutually_exclusive_group(required=True)
+    where.add_argument("--connect", help="gateway endpoint, e.g. ipc:///run/gw/workers.sock")
+    where.add_argument(
+        "--listen",
+        help="cluster mode: serve every authorized gateway that connects here, e.g. tcp://0.0.0.0:5556",
+    )
     parser.add_argument("--worker-id", default=None, help="default for remote workers: MODEL@HOST-PID")
     parser.add_argument("--spec", default=None, help="JSON worker spec written by the gateway")
     parser.add_argument("--config", default=None, help="remote workers: the registry file (models.yaml)")
     parser.add_argument("--model", default=None, help="remote workers: which model of --config to serve")
     parser.add_argument("--curve-secret-key", default=None, help="this worker's CURVE secret key file")
-    parser.add_argument("--gateway-public-key", default=None, help="the gateway's CURVE public key file")
+    parser.add_argument(
+        "--gateway-public-key",
+        action="append",
+        default=None,
+        help="the gateway's CURVE public key file; with --listen, once per gateway key allowed in",
+    )
     parser.add_argument(
         "--gpus", default=None, help="comma-separated GPU indices (sets CUDA_VISIBLE_DEVICES)"
     )
@@ -110,18 +122,26 @@ def _spec(args: argparse.Namespace) -> WorkerSpec:
     return spec
 
 
-def _curve_keys(args: argparse.Namespace) -> tuple[bytes, bytes, bytes] | None:
+def _curve_keys(args: argparse.Namespace) -> tuple[bytes, bytes, list[bytes]] | None:
+    """(own public key, own secret key, the gateway public keys), or None without CURVE."""
     if args.curve_secret_key is None and args.gateway_public_key is None:
         return None
     if args.curve_secret_key is None or args.gateway_public_key is None:
         raise SystemExit("model-worker: --curve-secret-key and --gateway-public-key go together")
+    if args.connect is not None and len(args.gateway_public_key) != 1:
+        raise SystemExit("model-worker: --connect talks to one gateway: give --gateway-public-key once")
     import zmq.auth
 
-    public, secret = zmq.auth.load_certificate(args.curve_secret_key)
-    gateway_public, _ = zmq.auth.load_certificate(args.gateway_public_key)
+    def load(path: str, flag: str) -> tuple[bytes, bytes | None]:
+        try:
+            return zmq.auth.load_certificate(path)
+        except (OSError, ValueError) as exc:
+            raise SystemExit(f"model-worker: {flag} {path}: not a CURVE key file: {exc}") from None
+
+    public, secret = load(args.curve_secret_key, "--curve-secret-key")
     if secret is None:
         raise SystemExit(f"model-worker: {args.curve_secret_key} holds no secret key")
-    return public, secret, gateway_public
+    return public, secret, [load(path, "--gateway-public-key")[0] for path in args.gateway_public_key]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -129,8 +149,16 @@ def main(argv: list[str] | None = None) -> int:
     spec = _spec(args)
     if args.worker_id is None:
         raise SystemExit("model-worker: --worker-id is required with --spec")
-    if args.connect.startswith("tcp://") and args.curve_secret_key is None:
+    if args.listen is not None:
+        if args.spec is not None or args.parent_pid is not None:
+            raise SystemExit("model-worker: --listen is for workers of their own (--config and --model)")
+        if not args.listen.startswith("tcp://") or args.curve_secret_key is None:
+            raise SystemExit(
+                "model-worker: --listen needs tcp://HOST:PORT, --curve-secret-key and --gateway-public-key"
+            )
+    elif args.connect.startswith("tcp://") and args.curve_secret_key is None:
         raise SystemExit("model-worker: a tcp connection needs --curve-secret-key and --gateway-public-key")
+    keys = _curve_keys(args)
     try:
         fmt = log_format.resolve_format(args.log_format, os.environ)  # LOG_FORMAT: from a spawning gateway
     except ValueError:
@@ -153,7 +181,14 @@ def main(argv: list[str] | None = None) -> int:
     from model_worker.serve_loop import Worker
 
     tracing.start(args.worker_id, spec.name)  # only when the OTEL_* variables ask for it
-    worker = Worker(args.worker_id, args.connect, spec, parent_pid=args.parent_pid, curve=_curve_keys(args))
+    if args.listen is not None:
+        assert keys is not None  # checked above
+        public, secret, gateways = keys
+        listen = (public, secret, frozenset(gateways))
+        worker = Worker(args.worker_id, args.listen, spec, parent_pid=None, listen=listen)
+    else:
+        curve = (keys[0], keys[1], keys[2][0]) if keys is not None else None
+        worker = Worker(args.worker_id, args.connect, spec, parent_pid=args.parent_pid, curve=curve)
     # A local worker is drained by its gateway (Shutdown with a grace); a remote one drains itself.
     grace_s = (
         args.shutdown_grace_s if args.shutdown_grace_s is not None else (0.0 if args.parent_pid else 30.0)

@@ -2,8 +2,10 @@
 
 Runs in a remote worker process at start-up (`model-worker --config FILE --model NAME`). Owns the
 worker's reading of the registry: only what a worker needs (engine, path, context length, chat
-template, heartbeat interval and the engine's own settings, validated by the engine's settings
-model). Everything else in the file is the gateway's business; the gateway validates the whole file.
+template, heartbeat interval and timeout, the engine's own settings, validated by the engine's settings
+model, and the capacity the worker enforces itself: `limits.max_concurrent_jobs` running and
+`limits.worker_queued_jobs` waiting). Everything else in the file is the gateway's business; the
+gateway validates the whole file.
 """
 
 from __future__ import annotations
@@ -16,7 +18,14 @@ import yaml
 
 from model_worker.settings_check import check_model
 from wire.env_expand import UnsetVariable, expand_env
-from wire.params import DEFAULT_ENGINE, DEFAULT_HEARTBEAT_INTERVAL_S, DEFAULT_MAX_SEQ_LEN, WorkerSpec
+from wire.params import (
+    DEFAULT_ENGINE,
+    DEFAULT_HEARTBEAT_INTERVAL_S,
+    DEFAULT_HEARTBEAT_TIMEOUT_S,
+    DEFAULT_MAX_CONCURRENT_JOBS,
+    DEFAULT_MAX_SEQ_LEN,
+    WorkerSpec,
+)
 
 
 class RemoteSpecError(Exception):
@@ -69,11 +78,43 @@ def remote_spec(config: str | Path, model: str) -> WorkerSpec:
         max_seq_len=max_seq_len,
         engine_settings=report["engine_settings"],
         chat_template=template,
-        heartbeat_interval_s=float(server.get("heartbeat_interval_s", DEFAULT_HEARTBEAT_INTERVAL_S)),
+        heartbeat_interval_s=_number(
+            server, "heartbeat_interval_s", DEFAULT_HEARTBEAT_INTERVAL_S, f"{source}: server"
+        ),
+        heartbeat_timeout_s=_number(
+            server, "heartbeat_timeout_s", DEFAULT_HEARTBEAT_TIMEOUT_S, f"{source}: server"
+        ),
         env={str(k): str(v) for k, v in (entry.get("env") or {}).items()},
         task=str(entry.get("task", "generate")),
         **_constraint_budgets(entry),
+        **_capacity(entry, f"{source}: model {name!r}"),
     )
+
+
+def _number(section: dict[str, Any], key: str, default: float, where: str) -> float:
+    value = section.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise RemoteSpecError(f"{where}, field {key!r}: must be a number above 0, not {value!r}")
+    return float(value)
+
+
+def _capacity(entry: dict[str, Any], where: str) -> dict[str, int]:
+    """The jobs this worker runs and holds waiting, whichever gateways send them (model_worker.jobs)."""
+    limits = entry.get("limits") or {}
+    if not isinstance(limits, dict):
+        raise RemoteSpecError(f"{where}, field 'limits': must be a mapping")
+    capacity = {}
+    for key, field, default, least in (
+        ("max_jobs", "max_concurrent_jobs", DEFAULT_MAX_CONCURRENT_JOBS, 1),
+        ("max_queue", "worker_queued_jobs", 0, 0),
+    ):
+        value = limits.get(field, default)
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise RemoteSpecError(
+                f"{where}, field 'limits.{field}': must be an integer >= {least}, not {value!r}"
+            )
+        capacity[key] = value
+    return capacity
 
 
 def _constraint_budgets(entry: dict[str, Any]) -> dict[str, Any]:

@@ -3,7 +3,8 @@
 Runs in the worker process, on its main thread, the engine thread: the only thread that touches the
 engine (the exllama generators are not thread-safe), and it does little else. Owns the engine and
 the worker's own lifecycle (starting -> loading -> warming -> ready -> draining -> stopped, checked
-against wire.states). The DEALER socket is created here and handed to the link thread
+against wire.states). The socket (a DEALER connected to one gateway, or a ROUTER that several
+gateways connect to: model_worker.listener) is created here and handed to the link thread
 (model_worker.link_thread), which decodes what arrives and encodes and sends every frame; its
 prompt thread prepares prompts. What they pass on is dispatched by type through a table;
 generation jobs are admitted and tracked by model_worker.jobs, embedding requests batched by
@@ -27,9 +28,11 @@ from model_worker.chat_template import ChatTemplate
 from model_worker.embedding_batch import EmbeddingBatch
 from model_worker.engines import registry
 from model_worker.engines.base import Engine, missing_capabilities
+from model_worker.gateway_peers import GatewayPeers
 from model_worker.handshake_watch import HandshakeWatch
 from model_worker.jobs import JobDesk
 from model_worker.link_thread import LinkThread
+from model_worker.listener import Listener
 from model_worker.prompt_desk import PreparedJob, PromptDesk
 from model_worker.step_trace import StepTrace
 from model_worker.tokenizer_info import tokenizer_info
@@ -57,7 +60,10 @@ class Worker:
         spec: WorkerSpec,
         parent_pid: int | None,
         curve: tuple[bytes, bytes, bytes] | None = None,
+        listen: tuple[bytes, bytes, frozenset[bytes]] | None = None,
     ) -> None:
+        """`curve` (own public, own secret, the gateway's public key) connects to one gateway;
+        `listen` (own public, own secret, the authorized gateway keys) binds `endpoint` instead."""
         self.worker_id = worker_id
         self.endpoint = endpoint
         self.spec = spec
@@ -72,14 +78,15 @@ class Worker:
         self.jobs: JobDesk | None = None
         self.embeddings: EmbeddingBatch | None = None
         self._ctx = zmq.Context()
-        self._sock = self._ctx.socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.IDENTITY, worker_id.encode())
-        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_SOCKET_MESSAGE_BYTES)
-        self._sock.setsockopt(zmq.SNDHWM, 10_000)
-        self._sock.setsockopt(zmq.RCVHWM, 10_000)
-        # Linger so the final Fatal/Heartbeat frames are flushed when we exit.
-        self._sock.setsockopt(zmq.LINGER, 2000)
         self._handshake: HandshakeWatch | None = None
+        self._listener: Listener | None = None
+        peers: GatewayPeers | None = None
+        if listen is not None:
+            self._listener = Listener(self._ctx, *listen)
+            self._sock = self._listener.sock
+            peers = GatewayPeers(spec.heartbeat_timeout_s)
+        else:
+            self._sock = self._dealer_socket(worker_id)
         if curve is not None:
             # (own public key, own secret key, the gateway's public key): encrypted, and the gateway
             # admits only authorized worker keys.
@@ -95,7 +102,17 @@ class Worker:
         # From its start() on, the socket is the link thread's alone. It passes on the messages
         # handled here; a prepared job stands for each Generate.
         forward = frozenset(t for t in self._handlers if issubclass(t, wire.Message))
-        self.link = LinkThread(self._sock, patience_s=SEND_PATIENCE_S, forward=forward)
+        self.link = LinkThread(self._sock, patience_s=SEND_PATIENCE_S, forward=forward, peers=peers)
+
+    def _dealer_socket(self, worker_id: str) -> zmq.Socket:
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, worker_id.encode())
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_SOCKET_MESSAGE_BYTES)
+        sock.setsockopt(zmq.SNDHWM, 10_000)
+        sock.setsockopt(zmq.RCVHWM, 10_000)
+        # Linger so the final Fatal/Heartbeat frames are flushed when we exit.
+        sock.setsockopt(zmq.LINGER, 2000)
+        return sock
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -111,7 +128,11 @@ class Worker:
         self.link.wake()
 
     def run(self) -> int:
-        self._sock.connect(self.endpoint)
+        if self._listener is not None:
+            self._sock.bind(self.endpoint)
+            logger.info("listening for gateways on %s", self.endpoint)
+        else:
+            self._sock.connect(self.endpoint)
         self.link.start()
         # Before loading anything: a gateway that refuses our key gets a clear exit, not a silent worker.
         if self._handshake is not None and self._handshake.refused(wait_s=10.0):
@@ -151,6 +172,8 @@ class Worker:
                 logger.debug("engine close failed", exc_info=True)
         if self._handshake is not None:
             self._handshake.close()
+        if self._listener is not None:
+            self._listener.close()
         if socket_released:  # else the link thread still holds it; the process exits without waiting
             self._sock.close()
             self._ctx.term()
@@ -206,7 +229,7 @@ class Worker:
         )
         check_transition(self.state, WorkerState.READY)
         # The gateway holds the warm-up's counts from the moment it sees Ready, not one heartbeat later.
-        self._send(wire.Heartbeat(self.state, engine.stats()))
+        self._send(wire.Heartbeat(self.state, engine.stats(), self.jobs.load()))
         self.state = WorkerState.READY
         self._send(self._ready)
         logger.info("ready (warm-up %.2fs)", warm_s)
@@ -251,6 +274,7 @@ class Worker:
                     )
                 if outputs:
                     self._send(wire.Step(jobs.outputs(outputs)))
+                    jobs.start_waiting()  # queued jobs the finished ones made room for
                 if trace is not None:
                     trace.after_send()
             now = time.monotonic()
@@ -265,7 +289,7 @@ class Worker:
                     return
                 # Its step counter and job counts are what the gateway's wedge watchdog judges by:
                 # prefill chunks send no Step frame, and only the engine knows which jobs it holds.
-                self._send(wire.Heartbeat(self.state, engine.stats()))
+                self._send(wire.Heartbeat(self.state, engine.stats(), jobs.load()))
                 if self.parent_pid is not None and os.getppid() != self.parent_pid:
                     logger.warning("gateway (pid %s) is gone; exiting", self.parent_pid)
                     return

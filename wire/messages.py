@@ -6,7 +6,7 @@ all. Requests carry a `rid`
 (one engine job, or one tokenize exchange); a worker answers Generate with Accepted or Rejected
 before any Step mentions the job, so the gateway can answer an HTTP error before a stream opens.
 
-gateway -> worker: Generate, Cancel, Tokenize, Detokenize, Embed, Shutdown, Reintroduce
+gateway -> worker: Generate, Cancel, Tokenize, Detokenize, Embed, Shutdown, Reintroduce, Ping
 worker -> gateway: Hello, Status, Ready, Accepted, Rejected, Tokens, Embeddings, Step, JobsAborted,
                    Heartbeat, Fatal
 """
@@ -19,13 +19,15 @@ from wire.codec import Codec, Count, Finite, Message
 from wire.params import ChatMessage, ChatOptions, SamplingParams
 from wire.results import AbortReason, JobOutput, RejectCode
 from wire.states import WorkerState
-from wire.stats import EngineInfo, EngineStats, TokenizerInfo
+from wire.stats import EngineInfo, EngineStats, TokenizerInfo, WorkerLoad
 from wire.trace_context import TraceParent
 
 # Sent in Hello; a gateway refuses a worker that speaks another version. 4: Generate and Embed carry
 # the request's trace context (`traceparent`). A version 3 frame still decodes (the field is trailing
 # and optional), but a version 3 worker would refuse every version 4 Generate, so the version says so.
-PROTOCOL_VERSION = 4
+# 5: Ping (a gateway's liveness, for workers that serve several gateways), the worker's load in
+# Heartbeat, and the worker_full and gateway_gone codes: a version 4 worker would drop every Ping.
+PROTOCOL_VERSION = 5
 
 # ---- gateway -> worker -------------------------------------------------------------------------
 
@@ -99,6 +101,14 @@ class Reintroduce(Message, frozen=True):
     """The gateway does not know this worker (it restarted): send Hello, and Ready if ready."""
 
     TAG: ClassVar[str] = "reintro"
+
+
+class Ping(Message, frozen=True):
+    """A gateway's liveness, every heartbeat interval, to each worker it connected to (cluster mode).
+    A worker that serves several gateways cancels the jobs of one it has not heard from for its
+    heartbeat timeout. The first Ping that gets through also makes the worker introduce itself."""
+
+    TAG: ClassVar[str] = "ping"
 
 
 # ---- worker -> gateway -------------------------------------------------------------------------
@@ -187,10 +197,12 @@ class JobsAborted(Message, frozen=True):
 
 
 class Heartbeat(Message, frozen=True):
-    """Liveness, the worker's own state, and its engine's load figures."""
+    """Liveness, the worker's own state, its engine's figures, and the jobs it admits (`load`: what
+    the gateways route by; each gateway is told which of the jobs are its own)."""
 
     state: WorkerState
     stats: EngineStats
+    load: WorkerLoad | None = None
     TAG: ClassVar[str] = "hb"
 
 
@@ -203,7 +215,7 @@ class Fatal(Message, frozen=True):
 
 PROTOCOL = Codec(
     [
-        Generate, Cancel, Tokenize, Detokenize, Embed, Shutdown, Reintroduce,
+        Generate, Cancel, Tokenize, Detokenize, Embed, Shutdown, Reintroduce, Ping,
         Hello, Status, Ready, Accepted, Rejected, Tokens, Embeddings, Step, JobsAborted, Heartbeat, Fatal,
     ]
 )  # fmt: skip

@@ -158,6 +158,12 @@ class WorkerSpec:
     # Budgets for compiling a job's output constraint (model_worker.constraints).
     max_constraint_states: int = 4096
     max_constraint_compile_s: float = 5.0
+    # The worker's own admission (model_worker.jobs): at most max_jobs running and max_queue waiting,
+    # refused beyond (worker_full). 0: no cap of its own (a spawned worker; its gateway admits).
+    max_jobs: int = 0
+    max_queue: int = 0
+    # A worker that listens (serves several gateways) forgets a gateway silent for this long.
+    heartbeat_timeout_s: float = 30.0
 
 
 # Registry defaults that both processes apply: the gateway to the entries it validates, a remote
@@ -165,3 +171,5 @@ class WorkerSpec:
 DEFAULT_ENGINE = "exllamav2"
 DEFAULT_MAX_SEQ_LEN = 4096
 DEFAULT_HEARTBEAT_INTERVAL_S = 1.0
+DEFAULT_HEARTBEAT_TIMEOUT_S = 30.0
+DEFAULT_MAX_CONCURRENT_JOBS = 8

@@ -23,6 +23,9 @@ class AbortReason(str, enum.Enum):
     """Why a worker ended jobs that had not finished (the JobsAborted message)."""
 
     SHUTDOWN = "shutdown"  # the worker's drain grace period ran out
+    GATEWAY_GONE = (
+        "gateway_gone"  # the worker lost this gateway (no frame for its timeout, or its link broke)
+    )
 
 
 class RejectCode(str, enum.Enum):
@@ -39,6 +42,9 @@ class RejectCode(str, enum.Enum):
     UNSUPPORTED_PARAMETER = "unsupported_parameter"
     DUPLICATE_REQUEST_ID = "duplicate_request_id"
     SHUTTING_DOWN = "service_unavailable"  # the worker is draining: a server condition, not the client's
+    WORKER_FULL = (
+        "worker_full"  # its own cap and queue are full (jobs from several gateways): retry elsewhere
+    )
 
 
 class Usage(Struct, frozen=True):

@@ -66,6 +66,25 @@ class EngineStats(Struct, frozen=True):
             raise ValueError("more free cache pages than pages")
 
 
+class WorkerLoad(Struct, frozen=True):
+    """The jobs a worker holds against the cap it enforces itself (model_worker.jobs), in every
+    heartbeat. `active`: admitted and running (or compiling their constraint); `queued`: admitted,
+    waiting for a running slot. `max_jobs` 0: no cap of its own (a worker its gateway spawned, whose
+    admission is the gateway's). `yours`: how many of active + queued belong to the gateway the
+    heartbeat is sent to, so each gateway knows what the others put on the worker."""
+
+    active: Count = 0
+    queued: Count = 0
+    max_jobs: Count = 0
+    max_queue: Count = 0
+    yours: Count = 0
+
+    @property
+    def others(self) -> int:
+        """Jobs of other gateways."""
+        return max(self.active + self.queued - self.yours, 0)
+
+
 class TokenizerInfo(Struct, frozen=True):
     """The model's tokenizer as clients see it (vLLM's /tokenizer_info), sent once in Ready."""
 
