@@ -37,6 +37,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         from gateway.serving.worker_link import check_remote_keys
 
         check_remote_keys(registry.server.remote_workers)  # a tcp listener without keys never starts
+    if registry.server.cluster is not None:
+        from gateway.serving.worker_dialer import load_cluster_keys
+
+        load_cluster_keys(registry.server.cluster)  # unusable keys: the file and field, before serving
     from gateway.server import run_server
 
     asyncio.run(run_server(registry, host, port))

@@ -48,6 +48,7 @@ class Gateway:
                 lambda worker_id, message, key: supervisor_ref[0].on_message(worker_id, message, key)
             ),
             registry.server.remote_workers,
+            registry.server.cluster,
         )
 
         def on_worker_state(worker: WorkerHandle) -> None:

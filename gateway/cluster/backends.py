@@ -11,7 +11,9 @@ import os
 import socket
 from collections.abc import Callable
 
-from gateway.cluster.membership import Leader, Membership
+import zmq.auth
+
+from gateway.cluster.membership import Leader, Membership, WorkerRecord
 from gateway.cluster.settings import ClusterConfig
 
 
@@ -20,7 +22,32 @@ def identity(config: ClusterConfig) -> str:
     return config.identity or f"{socket.gethostname()}-{os.getpid()}"
 
 
+def static_records(config: ClusterConfig) -> list[WorkerRecord]:
+    """The records of a static list, each with its public key read from its file (or none: the
+    shared worker key)."""
+    records = []
+    for worker in config.workers:
+        key = None
+        if worker.public_key_file is not None:
+            public, _ = zmq.auth.load_certificate(str(worker.public_key_file))
+            key = public.decode("ascii")
+        records.append(
+            WorkerRecord(
+                worker_id=worker.worker_id,
+                model=worker.model,
+                replica=worker.replica,
+                endpoint=worker.endpoint,
+                public_key=key,
+            )
+        )
+    return records
+
+
 def make_membership(config: ClusterConfig) -> Membership:
+    if config.backend == "static":
+        from gateway.cluster.static_membership import StaticMembership
+
+        return StaticMembership(static_records(config))
     if config.backend == "etcd":
         from gateway.cluster.etcd_membership import EtcdMembership
 
@@ -32,6 +59,8 @@ def make_membership(config: ClusterConfig) -> Membership:
 
 
 def make_leader(config: ClusterConfig, on_change: Callable[[bool], None] | None = None) -> Leader:
+    if config.backend == "static":
+        raise ValueError("backend: static has no leader")
     if config.backend == "etcd":
         from gateway.cluster.etcd_leader import EtcdLeader
 

@@ -1,14 +1,17 @@
 """Cluster mode's settings: which system holds membership and leadership, and its timings.
 
-Runs in the gateway process, at config load. Owns `ClusterConfig`, meant as the registry's
+Runs in the gateway process, at config load. Owns `ClusterConfig`, the registry's
 `server.cluster` section (absent: the single-host default, which needs neither etcd nor
-Kubernetes). Like every config model here it is frozen and refuses unknown keys; the registry's
-loader turns a validation error into a line that names the file and the field.
+Kubernetes), with the keys the gateway connects to listening workers with, and `StaticWorker`, one
+entry of a fixed list of workers (backend `static`: no discovery system at all). Like every config
+model here it is frozen and refuses unknown keys; the registry's loader turns a validation error
+into a line that names the file and the field.
 """
 
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -161,12 +164,31 @@ class KubernetesSettings(_Strict):
         return self
 
 
+class StaticWorker(_Strict):
+    """One listening worker of a fixed list (backend: static)."""
+
+    worker_id: str = Field(
+        min_length=1,
+        pattern=r"^[^@]+@.+$",
+        description="Its --worker-id, MODEL@NAME; the gateway refuses a worker that says another.",
+    )
+    model: str = Field(min_length=1, description="The registry name of the model it serves (`remote: true`).")
+    endpoint: str = Field(pattern=r"^tcp://", description="Its --listen address as gateways reach it.")
+    replica: int = Field(0, ge=0, description="Its replica index within the model.")
+    public_key_file: Path | None = Field(
+        None,
+        description="Its CURVE public key (`gateway keys`), relative to the registry file. Unset: "
+        "`worker_public_key_file`.",
+    )
+
+
 class ClusterConfig(_Strict):
     """Cluster mode: workers are services of their own, found through `backend`; gateways are
     active-active and one of them leads the decisions that must be made once."""
 
-    backend: Literal["etcd", "kubernetes"] = Field(
-        description="Where membership and leadership live: etcd (any host) or the Kubernetes API."
+    backend: Literal["etcd", "kubernetes", "static"] = Field(
+        description="Where membership and leadership live: etcd (any host), the Kubernetes API, or "
+        "static: the fixed list `workers` (no leader; every gateway decides for itself)."
     )
     identity: str | None = Field(
         None,
@@ -179,6 +201,20 @@ class ClusterConfig(_Strict):
     kubernetes: KubernetesSettings | None = Field(
         None, description="With backend: kubernetes; every field has a default."
     )
+    workers: list[StaticWorker] = Field(
+        default_factory=list, description="With backend: static, the listening workers to connect to."
+    )
+    secret_key_file: Path | None = Field(
+        None,
+        description="This gateway's CURVE secret key (`gateway keys`), relative to the registry file: it "
+        "connects to every listening worker with it, and each worker admits only the gateway keys it "
+        "was given. Required in the registry.",
+    )
+    worker_public_key_file: Path | None = Field(
+        None,
+        description="The workers' shared CURVE public key, for workers whose record names none (always "
+        "so on Kubernetes; on etcd, when they registered without one).",
+    )
 
     @model_validator(mode="after")
     def _backend_has_its_section(self) -> ClusterConfig:
@@ -189,6 +225,18 @@ class ClusterConfig(_Strict):
                 raise ValueError("a `kubernetes:` section is only read with backend: kubernetes")
         elif self.etcd is not None:
             raise ValueError("an `etcd:` section is only read with backend: etcd")
+        if self.backend == "static":
+            if not self.workers:
+                raise ValueError("backend: static needs a `workers:` list")
+            if self.kubernetes is not None:
+                raise ValueError("a `kubernetes:` section is only read with backend: kubernetes")
+            keyless = [w.worker_id for w in self.workers if w.public_key_file is None]
+            if keyless and self.worker_public_key_file is None:
+                raise ValueError(
+                    f"workers {keyless} name no public_key_file, and worker_public_key_file is unset"
+                )
+        elif self.workers:
+            raise ValueError("a `workers:` list is only read with backend: static")
         return self
 
     def kubernetes_settings(self) -> KubernetesSettings:

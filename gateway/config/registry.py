@@ -26,6 +26,7 @@ from pydantic import (
     model_validator,
 )
 
+from gateway.cluster.settings import ClusterConfig
 from gateway.config.hub import HUB_SCHEME, HubRef, parse_hub_path
 from wire.env_expand import UnsetVariable, expand_env
 from wire.params import DEFAULT_ENGINE, DEFAULT_HEARTBEAT_INTERVAL_S, DEFAULT_MAX_SEQ_LEN, WorkerSpec
@@ -61,6 +62,14 @@ class SamplingDefaults(_Strict):
 class ModelLimits(_Strict):
     max_concurrent_jobs: int = Field(8, ge=1, description="Jobs sent to the worker at once.")
     max_queued_requests: int = Field(64, ge=0, description="Requests waiting in the gateway beyond that.")
+    worker_queued_jobs: int = Field(
+        0,
+        ge=0,
+        description="Remote and cluster workers: jobs a worker holds waiting beyond max_concurrent_jobs "
+        "(it enforces both itself, whichever gateways send them; jobs sent by several gateways at once "
+        "wait here instead of being refused). Past it the worker refuses: the request tries another "
+        "replica, else gets full_queue_status. Read by the worker from its copy of the registry.",
+    )
     max_queued_prompt_tokens: int = Field(1_000_000, ge=0, description="Prompt tokens waiting, summed.")
     request_timeout_s: float = Field(600.0, gt=0, description="Deadline for one request, queueing included.")
     full_queue_status: Literal[429, 503] = Field(429, description="HTTP status when the queue is full.")
@@ -278,6 +287,11 @@ class ServerConfig(_Strict):
     port: int = Field(8000, ge=0, le=65535, description="Bind port (PORT and --port override).")
     runtime_dir: Path | None = Field(None, description="Where ipc sockets live; default a private temp dir.")
     remote_workers: RemoteWorkersConfig | None = Field(None, description="Accept workers from other hosts.")
+    cluster: ClusterConfig | None = Field(
+        None,
+        description="Cluster mode: connect to workers that listen (`model-worker --listen`), found through "
+        "etcd, Kubernetes or a static list; several gateways share them (docs/scale-out.md).",
+    )
     api_keys_file: Path | None = Field(
         None,
         description="YAML file of API keys (gateway/api_keys.py shows the format), relative to the registry "
@@ -386,8 +400,29 @@ class Registry(_Strict):
     @model_validator(mode="after")
     def _remote_needs_listener(self) -> Registry:
         remote = [m.name for m in self.models if m.remote]
-        if remote and self.server.remote_workers is None:
-            raise ValueError(f"models {remote} are remote, but server.remote_workers is not configured")
+        if remote and self.server.remote_workers is None and self.server.cluster is None:
+            raise ValueError(
+                f"models {remote} are remote, but neither server.remote_workers nor server.cluster "
+                "is configured"
+            )
+        cluster = self.server.cluster
+        if cluster is not None:
+            if cluster.secret_key_file is None:
+                raise ValueError(
+                    "server.cluster.secret_key_file is required (the gateway's CURVE key: gateway keys)"
+                )
+            if cluster.backend == "kubernetes" and cluster.worker_public_key_file is None:
+                raise ValueError(
+                    "server.cluster.worker_public_key_file is required with backend: kubernetes "
+                    "(EndpointSlices carry no key)"
+                )
+            for worker in cluster.workers:
+                model = self.model(worker.model)
+                if model is None or not model.remote or worker.worker_id.split("@", 1)[0] != model.name:
+                    raise ValueError(
+                        f"server.cluster.workers: {worker.worker_id!r} must be MODEL@NAME of a "
+                        f"`remote: true` model, and model {worker.model!r} must be that model"
+                    )
         return self
 
     @model_validator(mode="after")
@@ -538,10 +573,28 @@ def parse_registry(raw: Any, source: Path, check_engines: bool = True) -> Regist
             }
         )
         server = server.model_copy(update={"remote_workers": resolved})
+    if server.cluster is not None:
+        server = server.model_copy(update={"cluster": _resolve_cluster(server.cluster, base)})
     server = server.model_copy(update={"model_cache_dir": cache_dir})
     if check_engines:
         models = apply_engine_checks(models, source)
     return registry.model_copy(update={"models": models, "server": server})
+
+
+def _resolve_cluster(cluster: ClusterConfig, base: Path) -> ClusterConfig:
+    """The cluster section's key files, relative to the registry file."""
+
+    def resolved(path: Path | None) -> Path | None:
+        return (base / path).resolve() if path is not None else None
+
+    workers = [w.model_copy(update={"public_key_file": resolved(w.public_key_file)}) for w in cluster.workers]
+    return cluster.model_copy(
+        update={
+            "secret_key_file": resolved(cluster.secret_key_file),
+            "worker_public_key_file": resolved(cluster.worker_public_key_file),
+            "workers": workers,
+        }
+    )
 
 
 def worker_spec(model: ModelConfig, heartbeat_interval_s: float) -> WorkerSpec:

@@ -131,6 +131,7 @@ def create_app(registry: Registry) -> Quart:
         await gateway.link.start()
         gateway.service.start()
         gateway.supervisor.start()
+        await gateway.supervisor.start_cluster()
         logger.info("gateway serving %d model(s); workers on %s", len(registry.models), gateway.link.endpoint)
 
     @app.after_serving

@@ -41,6 +41,7 @@ from gateway.errors import (
     APIError,
     ClientClosed,
     InvalidRequest,
+    QueueFull,
     RequestTimeout,
     ServiceUnavailable,
     WorkerFailed,
@@ -234,6 +235,12 @@ class RequestOwner:
                 answer = await self._wait_accepted(choice) if reply is None else reply
                 if isinstance(answer, wire.Accepted):
                     choice.output.prompt_tokens = choice.text.prompt_tokens = answer.prompt_tokens
+                elif isinstance(answer, wire.Rejected) and answer.code is RejectCode.WORKER_FULL:
+                    # Another gateway filled the worker since its last heartbeat: like a failed
+                    # start, the request tries the other replicas, else it is told to come back.
+                    choice.end_job(cancel=False)
+                    failed.add(choice.worker_id or "")
+                    error = self._worker_full(answer.message)
                 elif isinstance(answer, wire.Rejected):
                     choice.end_job(cancel=False)  # the worker holds nothing for it; the others are cancelled
                     code = answer.code
@@ -253,6 +260,12 @@ class RequestOwner:
             if not route.has_other_replica(avoid):
                 raise error
             logger.info("replica %s failed before starting a job; trying another", ", ".join(sorted(failed)))
+
+    def _worker_full(self, message: str) -> APIError:
+        """A worker's own cap refused the job: the model's full-queue status, with Retry-After."""
+        limits = self.route.config.limits
+        error_class = QueueFull if limits.full_queue_status == 429 else ServiceUnavailable
+        return error_class(message, code=RejectCode.WORKER_FULL.value, headers={"Retry-After": "1"})
 
     def _start(self, choice: Choice, replica: WorkerHandle) -> _NotStarted | None:
         """Send the choice's Generate to its replica; a _NotStarted at once if it cannot go out."""

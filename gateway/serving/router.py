@@ -4,7 +4,10 @@ Runs in the gateway process, on its asyncio loop. Owns, per model, the count of 
 for a slot and the rule that picks a replica: the ready one with the least outstanding work.
 A request takes a slot (one of `max_concurrent_jobs` per replica) before it is sent to a worker;
 beyond that it waits in a bounded queue, served by priority class (gateway.serving.priority);
-beyond that it is refused at once with 429/503.
+beyond that it is refused at once with 429/503. A worker that several gateways share reports in
+its heartbeats the jobs it holds against its own cap, and which are ours: its slots here are its
+cap less the other gateways' jobs, and their jobs count in its load, so N gateways never put N
+times its capacity on it.
 """
 
 from __future__ import annotations
@@ -80,14 +83,21 @@ class ModelRoute:
         limit = self.config.limits.max_concurrent_jobs
         slots = {r.id: r.in_flight for r in self.replicas}
         load = {r.id: r.outstanding_tokens for r in self.replicas}
+        limits = {r.id: r.slot_limit(limit) for r in self.replicas}
         placed: list[WorkerHandle] = []
         for work in works:
-            candidates = [r for r in self.replicas if r.ready and r.id not in avoid and slots[r.id] < limit]
+            candidates = [
+                r for r in self.replicas if r.ready and r.id not in avoid and slots[r.id] < limits[r.id]
+            ]
             if not candidates:
                 return None
             # Least outstanding work first: tokens still to process (prompt + completion budget) of
-            # the requests it holds, then the count of requests as a tie-break.
-            replica = min(candidates, key=lambda r: (load[r.id], slots[r.id], r.replica))
+            # the requests it holds (another gateway's job counted as one like this), then the count
+            # of requests as a tie-break.
+            replica = min(
+                candidates,
+                key=lambda r: (load[r.id] + r.others_jobs * work, slots[r.id] + r.others_jobs, r.replica),
+            )
             slots[replica.id] += 1
             load[replica.id] += work
             placed.append(replica)

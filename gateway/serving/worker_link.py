@@ -1,7 +1,8 @@
 """The gateway's end of the ZeroMQ link: one ROUTER socket per listener, frames in and out.
 
 Runs in the gateway process, on its asyncio loop. Owns the sockets (ipc:// in a private 0700
-directory; optionally tcp:// with CURVE for remote workers), the reader tasks that decode each
+directory; optionally tcp:// with CURVE for remote workers, and in cluster mode the socket that
+connects out to listening workers, gateway.serving.worker_dialer), the reader tasks that decode each
 worker frame once, and the tables that route a frame to whoever waits for it: engine jobs (each
 the `JobReceiver` of one choice of one request) and one-shot exchanges (tokenize, detokenize, embed).
 Lifecycle frames (Hello, Status, Ready, Heartbeat, Fatal) go to the supervisor through a callback.
@@ -9,8 +10,9 @@ The link never ends a request itself: it hands each event to the request's owner
 
 Identities are bound to where they belong: a local worker's id is accepted only on the ipc
 socket (the supervisor registers it before spawning), and a remote worker's id only over tcp, from
-the CURVE key it joined with, while that key is still authorized. A frame about a job counts only
-from the worker that holds the job. Every refusal is logged (rate-limited) with the key's name.
+the CURVE key it joined with, while that key is still authorized; a listening worker's id only on
+the connection made to it with its own key. A frame about a job counts only from the worker that
+holds the job. Every refusal is logged (rate-limited) with the key's name.
 """
 
 from __future__ import annotations
@@ -26,10 +28,14 @@ from typing import Any, Protocol, cast
 import zmq
 import zmq.asyncio
 
+from gateway.cluster.backends import identity
+from gateway.cluster.membership import WorkerRecord
+from gateway.cluster.settings import ClusterConfig
 from gateway.config.registry import ConfigError, RemoteWorkersConfig
 from gateway.errors import APIError, InvalidRequest
 from gateway.observability.logging_setup import RateLimitedLog
 from gateway.serving.listener_cap import ListenerCap
+from gateway.serving.worker_dialer import WorkerDialer, load_cluster_keys
 from gateway.workers.remote_keys import AuthorizedKeys, WorkerKey, key_label
 from wire import messages as wire
 from wire.codec import ENCODE_ERRORS, MAX_SOCKET_MESSAGE_BYTES, ProtocolError
@@ -83,10 +89,16 @@ LifecycleCallback = Callable[[str, wire.Message, "WorkerKey | None"], None]
 
 class WorkerLink:
     def __init__(
-        self, endpoint: str, on_lifecycle: LifecycleCallback, remote: RemoteWorkersConfig | None = None
+        self,
+        endpoint: str,
+        on_lifecycle: LifecycleCallback,
+        remote: RemoteWorkersConfig | None = None,
+        cluster: ClusterConfig | None = None,
     ) -> None:
         self.endpoint = endpoint
         self.remote = remote
+        self.cluster = cluster
+        self.dialer: WorkerDialer | None = None
         self._on_lifecycle = on_lifecycle
         self._ctx = zmq.asyncio.Context()
         self._sock = self._router_socket()
@@ -134,6 +146,11 @@ class WorkerLink:
             self._remote_cap.start()
             reader = asyncio.create_task(self._read_forever(self._remote_sock, True), name="worker-link-tcp")
             self._readers.append(reader)
+        if self.cluster is not None:
+            self.dialer = WorkerDialer(self._ctx, load_cluster_keys(self.cluster), identity(self.cluster))
+            reader = asyncio.create_task(self._read_dialed_forever(self.dialer), name="worker-link-cluster")
+            self._readers.append(reader)
+            logger.info("cluster mode: connecting to listening workers as %s", self.dialer.routing_id)
 
     def _start_remote_listener(self, remote: RemoteWorkersConfig) -> zmq.asyncio.Socket:
         """tcp with CURVE: traffic is encrypted and only workers whose public key is authorized get in."""
@@ -164,6 +181,8 @@ class WorkerLink:
         self._sock.close()
         if self._remote_sock is not None:
             self._remote_sock.close()
+        if self.dialer is not None:
+            self.dialer.close()
         if self._authenticator is not None:
             self._authenticator.stop()
         self._ctx.term()
@@ -181,6 +200,30 @@ class WorkerLink:
         """A remote worker joined with this key: its id is accepted only over tcp, with this key."""
         self._remote_keys[worker_id] = key.public_z85
         self.last_seen[worker_id] = time.monotonic()
+
+    def dial(self, record: WorkerRecord) -> bool:
+        """Cluster mode: connect to a listening worker that joined the membership."""
+        assert self.dialer is not None
+        return self.dialer.connect(record)
+
+    def hang_up(self, worker_id: str) -> None:
+        """Cluster mode: the worker left the membership; no frame of its is admitted any more."""
+        if self.dialer is not None:
+            self.dialer.disconnect(worker_id)
+
+    def ping_dialed(self) -> None:
+        """Every listening worker hears from this gateway each heartbeat interval (else it cancels
+        our jobs); a worker not connected yet is skipped (its first Ping makes it introduce itself)."""
+        if self.dialer is None:
+            return
+        frame = wire.encode(wire.Ping())
+        for worker_id in self.dialer.worker_ids:
+            sent = cast(
+                "asyncio.Future[Any]",
+                self.dialer.sock.send_multipart([worker_id.encode(), frame], zmq.NOBLOCK),
+            )
+            # EHOSTUNREACH (not connected yet, or gone) is expected here; take it so it is not reported.
+            sent.add_done_callback(_take_exception)
 
     def forget(self, worker_id: str) -> None:
         self._local_ids.discard(worker_id)
@@ -223,9 +266,12 @@ class WorkerLink:
         """Send an encoded message; False when the worker cannot be reached now."""
         if is_generate:
             self.last_job_sent[worker_id] = time.monotonic()
-        # Local ids live on the ipc socket only; anything else can only be a remote worker.
-        local = worker_id in self._local_ids or self._remote_sock is None
-        sock = self._sock if local else self._remote_sock
+        # Local ids live on the ipc socket only; listening workers on the dialer's; the rest are remote.
+        local = worker_id in self._local_ids
+        if not local and self.dialer is not None and worker_id in self.dialer:
+            sock = self.dialer.sock
+        else:
+            sock = self._sock if local or self._remote_sock is None else self._remote_sock
         assert sock is not None
         # A NOBLOCK send on an asyncio socket is tried at once; its error (EHOSTUNREACH: the worker
         # is gone; EAGAIN: it is not reading) comes back on the future it returns, never raised.
@@ -277,6 +323,45 @@ class WorkerLink:
 
     # ---- receiving ---------------------------------------------------------------------------
 
+    async def _read_dialed_forever(self, dialer: WorkerDialer) -> None:
+        """Frames from listening workers: their id is the one we connected to them with."""
+        while True:
+            try:
+                frames = await dialer.sock.recv_multipart()
+            except zmq.ZMQError as exc:
+                logger.error("cluster socket receive failed: %s", exc)
+                await asyncio.sleep(0.1)
+                continue
+            if len(frames) != 2:
+                self._refusals.warning("dropped a message of %d frames", len(frames))
+                continue
+            worker_id = frames[0].decode(errors="replace")
+            key = dialer.key_of(worker_id)
+            if key is None:  # hung up on since, or never dialled
+                self._refusals.warning("frame from worker %r we are not connected to dropped", worker_id)
+                continue
+            if worker_id in self._remote_keys:
+                self.last_seen[worker_id] = time.monotonic()
+            try:
+                message = wire.decode(frames[1])
+            except ProtocolError as exc:
+                self._refusals.warning("dropped a bad frame from worker %s: %s", worker_id, exc)
+                continue
+            if isinstance(message, wire.Hello) and message.worker_id != worker_id:
+                self._refusals.warning("worker at %r says it is %r; refused", worker_id, message.worker_id)
+                continue
+            self._handle(worker_id, message, key)
+
+    def _handle(self, worker_id: str, message: wire.Message, key: WorkerKey | None) -> None:
+        handler = self._dispatch.get(type(message))
+        try:
+            if handler is not None:
+                handler(worker_id, message)
+            else:
+                self._on_lifecycle(worker_id, message, key)
+        except Exception:  # one bad message must not stop the reader for every request
+            logger.exception("error handling %s from worker %s", type(message).__name__, worker_id)
+
     async def _read_forever(self, sock: zmq.asyncio.Socket, remote: bool) -> None:
         while True:
             try:
@@ -299,14 +384,7 @@ class WorkerLink:
             except ProtocolError as exc:
                 self._refusals.warning("dropped a bad frame from worker %s: %s", worker_id, exc)
                 continue
-            handler = self._dispatch.get(type(message))
-            try:
-                if handler is not None:
-                    handler(worker_id, message)
-                else:
-                    self._on_lifecycle(worker_id, message, key)
-            except Exception:  # one bad message must not stop the reader for every request
-                logger.exception("error handling %s from worker %s", type(message).__name__, worker_id)
+            self._handle(worker_id, message, key)
 
     def _on_reply(
         self, worker_id: str, message: wire.Accepted | wire.Rejected | wire.Tokens | wire.Embeddings
@@ -334,6 +412,11 @@ class WorkerLink:
             job = self._jobs.get(rid)
             if job is not None and job.worker_id == worker_id:
                 job.on_aborted(message)
+
+
+def _take_exception(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()
 
 
 def _unpack(frames: list[Any]) -> tuple[bytes, bytes, str | None]:

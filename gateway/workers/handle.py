@@ -18,7 +18,7 @@ from gateway.workers.step_watch import StepWatch
 from wire import messages as wire
 from wire.codec import as_dict
 from wire.states import InvalidTransition, WorkerState, check_transition
-from wire.stats import EngineInfo, EngineStats
+from wire.stats import EngineInfo, EngineStats, WorkerLoad
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +41,7 @@ class WorkerHandle:
     info: EngineInfo | None = None
     ready_message: wire.Ready | None = None
     stats: EngineStats = field(default_factory=EngineStats)
+    load: WorkerLoad | None = None  # the jobs it holds against its own cap, as of its last heartbeat
     spawned_at: float = 0.0
     ready_at: float | None = None
     in_flight: int = 0
@@ -62,6 +63,20 @@ class WorkerHandle:
     def ready(self) -> bool:
         return self.state is WorkerState.READY
 
+    @property
+    def others_jobs(self) -> int:
+        """Jobs other gateways hold on this worker, as of its last heartbeat (0 for our own workers)."""
+        return self.load.others if self.load is not None else 0
+
+    def slot_limit(self, configured: int) -> int:
+        """How many jobs this gateway may have on the worker now: `max_concurrent_jobs`, or for a
+        worker with a cap of its own (shared by several gateways) that cap less what the others hold.
+        The figures are a heartbeat old; the worker refuses what would still exceed its cap."""
+        load = self.load
+        if load is None or load.max_jobs == 0:
+            return configured
+        return max(min(configured, load.max_jobs) - load.others, 0)
+
     def move_to(self, state: WorkerState, detail: str) -> bool:
         """Change state if the table allows it; a forbidden change is a bug, logged and refused."""
         try:
@@ -78,9 +93,10 @@ class WorkerHandle:
         self.state, self.detail = state, detail
         return True
 
-    def on_heartbeat(self, stats: EngineStats, now: float) -> None:
+    def on_heartbeat(self, stats: EngineStats, now: float, load: WorkerLoad | None = None) -> None:
         """The engine's figures; tokens/s between heartbeats, smoothed, for /admin/workers and the
-        dashboard; the steps and jobs the wedge watchdog judges by."""
+        dashboard; the steps and jobs the wedge watchdog judges by; the load the router reads."""
+        self.load = load
         if now > self.rate_at > 0:
             rate = max(stats.generated_tokens - self.stats.generated_tokens, 0) / (now - self.rate_at)
             self.tokens_per_s += (rate - self.tokens_per_s) * 0.5
@@ -97,6 +113,7 @@ class WorkerHandle:
         """Nothing of a previous process carries over to the next one."""
         self.info, self.ready_message, self.ready_at = None, None, None
         self.stats = EngineStats()
+        self.load = None
 
     def describe(self) -> dict[str, Any]:
         now = time.monotonic()
@@ -126,5 +143,6 @@ class WorkerHandle:
             "warmup_s": ready.warmup_s if ready else None,
             "chat_template": ready.chat_template if ready else None,
             "stats": as_dict(self.stats),
+            "load": as_dict(self.load) if self.load is not None else None,
             "heartbeats": self.heartbeats,
         }

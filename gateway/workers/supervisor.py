@@ -6,6 +6,8 @@ watcher), a missing frame for `heartbeat_timeout_s` (lost or hung), a missed sta
 jobs the worker says it holds with no step it reports for `wedge_timeout_s` (wedged; see
 gateway.workers.step_watch). When a worker goes, every request it held hears so at once, through
 the link, from its owner. Idle unloads and retries of failed workers run in gateway.workers.upkeep.
+In cluster mode it also starts gateway.workers.cluster_members, which connects to the listening
+workers of the membership; those join and leave like any remote worker.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from gateway.config.registry import ModelConfig, Registry, worker_spec
 from gateway.errors import WorkerFailed
 from gateway.observability.logging_setup import bind_worker_log_context, worker_log_context
 from gateway.serving.worker_link import WorkerLink
+from gateway.workers.cluster_members import ClusterMembers
 from gateway.workers.handle import WorkerHandle
 from gateway.workers.loads import LoadGate, LoadRefused
 from gateway.workers.remote import RemoteMembers
@@ -53,6 +56,7 @@ class Supervisor:
         self._generations: dict[str, int] = {}
         self._stopping = False
         self._upkeep_task: asyncio.Task[None] | None = None
+        self.cluster: ClusterMembers | None = None
         self.remote = RemoteMembers(self)
         self.loads = LoadGate(self)
         for model in registry.models:
@@ -87,6 +91,31 @@ class Supervisor:
             if handle.model.load == "startup":
                 self.launch(handle)
         self._upkeep_task = asyncio.create_task(Upkeep(self).run_forever(), name="worker-upkeep")
+
+    async def start_cluster(self) -> None:
+        """Cluster mode: follow the membership and connect to its workers (after link.start())."""
+        cluster = self.registry.server.cluster
+        if cluster is None:
+            return
+        from gateway.cluster.backends import make_membership
+
+        link = self.link
+        self.cluster = ClusterMembers(
+            make_membership(cluster), link.dial, link.hang_up, self.leave_cluster, link.ping_dialed,
+            self.registry.server.heartbeat_interval_s,
+        )  # fmt: skip
+        await self.cluster.start()
+
+    def leave_cluster(self, worker_id: str) -> None:
+        """A worker left the membership: what it held ends now, and it is forgotten."""
+        handle = self.workers.get(worker_id)
+        if handle is None or not handle.remote:
+            return
+        self.fail_requests(handle, "it left the cluster's membership")
+        if handle.task is not None:
+            handle.task.cancel()  # its watch would otherwise judge a forgotten worker
+        self.set_state(handle, S.STOPPED, "left the cluster's membership")
+        self.remove(handle)
 
     def launch(self, handle: WorkerHandle) -> None:
         """Start (or restart after an unload) the worker of a handle; idempotent while it runs."""
@@ -136,6 +165,8 @@ class Supervisor:
         self._stopping = True
         if self._upkeep_task is not None:
             self._upkeep_task.cancel()
+        if self.cluster is not None:
+            await self.cluster.stop()
         for handle in self.workers.values():
             if handle.process and handle.process.returncode is None:
                 self.set_state(handle, S.DRAINING, "shutting down")
@@ -179,7 +210,10 @@ class Supervisor:
             self.remote.rejoin(handle, message)
             return
         if isinstance(message, wire.Heartbeat):
-            handle.on_heartbeat(message.stats, time.monotonic())
+            load_before = handle.load
+            handle.on_heartbeat(message.stats, time.monotonic(), message.load)
+            if remote and handle.load != load_before:
+                self._on_state(handle)  # room another gateway freed on it: waiting requests look again
         elif isinstance(message, wire.Status):
             # Frames of a process that has since died may still be queued: only a live one moves on.
             if message.state is S.STOPPED:

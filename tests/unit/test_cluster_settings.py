@@ -61,7 +61,7 @@ def test_kubernetes_needs_no_section_and_has_working_defaults() -> None:
     ("raw", "where", "says"),
     [
         ({"backend": "etcd"}, "cluster", "needs an `etcd:` section"),
-        ({"backend": "consul"}, "cluster.backend", "'etcd' or 'kubernetes'"),
+        ({"backend": "consul"}, "cluster.backend", "'etcd', 'kubernetes' or 'static'"),
         ({"backend": "etcd", "etcd": {"endpoints": []}}, "cluster.etcd.endpoints", "at least 1"),
         (
             {"backend": "etcd", "etcd": {"endpoints": ["http://10.0.0.5:2379"]}},
