@@ -82,6 +82,9 @@ class GatewayPeers:
             # One gateway dropping this worker (refused, or stopping): the others keep it.
             cancels += self.drop(peer, "it let go of this worker")
             return False, replies, cancels
+        if isinstance(message, wire.Retire):
+            logger.info("gateway %s retires this worker", _name(peer))
+            return True, replies, cancels  # for every gateway: the engine's side drains and exits
         if isinstance(message, wire.Generate):
             owner = self._owners.get(message.rid)
             if owner is not None and owner != peer:

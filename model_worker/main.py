@@ -4,7 +4,9 @@ Runs in the worker process. Owns process-level set-up that must happen before to
 `CUDA_VISIBLE_DEVICES`, the parent-death signal, logging. The gateway spawns it with
 `python -m model_worker --connect ipc://... --worker-id ID --spec JSON`. A remote worker connects to
 one gateway (`--connect tcp://...`); in cluster mode a worker is a service of its own that listens
-(`--listen tcp://...`), serves every gateway whose key is authorized, and outlives any of them.
+(`--listen tcp://...`), serves every gateway whose key is authorized, and outlives any of them;
+when its registry file says `server.cluster.backend: etcd` it also registers itself there
+(model_worker.registration) until it stops.
 """
 
 from __future__ import annotations
@@ -17,9 +19,13 @@ import os
 import signal
 import socket
 import sys
+from typing import TYPE_CHECKING
 
 from wire import log_format
 from wire.params import WorkerSpec
+
+if TYPE_CHECKING:
+    from model_worker.registration import RegistrationThread
 
 logger = logging.getLogger("model_worker")
 
@@ -72,6 +78,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="cluster mode: serve every authorized gateway that connects here, e.g. tcp://0.0.0.0:5556",
     )
     parser.add_argument("--worker-id", default=None, help="default for remote workers: MODEL@HOST-PID")
+    parser.add_argument(
+        "--replica", type=int, default=0, help="--listen: its replica index within the model (etcd record)"
+    )
+    parser.add_argument(
+        "--advertise",
+        default=None,
+        help="--listen with server.cluster.backend etcd: the tcp://HOST:PORT gateways connect to "
+        "(default: the --listen address, with a wildcard host replaced by this host's name)",
+    )
     parser.add_argument("--spec", default=None, help="JSON worker spec written by the gateway")
     parser.add_argument("--config", default=None, help="remote workers: the registry file (models.yaml)")
     parser.add_argument("--model", default=None, help="remote workers: which model of --config to serve")
@@ -144,6 +159,59 @@ def _curve_keys(args: argparse.Namespace) -> tuple[bytes, bytes, list[bytes]] | 
     return public, secret, [load(path, "--gateway-public-key")[0] for path in args.gateway_public_key]
 
 
+def _advertised(listen: str, advertise: str | None) -> str:
+    """Where gateways reach a listening worker: --advertise, else --listen with a real host name."""
+    if advertise is not None:
+        if not advertise.startswith("tcp://"):
+            raise SystemExit("model-worker: --advertise must be tcp://HOST:PORT")
+        return advertise
+    host, _, port = listen[len("tcp://") :].rpartition(":")
+    if host in ("*", "0.0.0.0", "[::]", "::", ""):
+        host = socket.getfqdn()
+    return f"tcp://{host}:{port}"
+
+
+def _registration(args: argparse.Namespace, spec: WorkerSpec, public_key: bytes) -> RegistrationThread | None:
+    """A started etcd registration when the registry says `server.cluster.backend: etcd`, else None."""
+    from model_worker.registration import (
+        Capacity,
+        Record,
+        Registration,
+        RegistrationConfigError,
+        RegistrationThread,
+        etcd_target,
+    )
+
+    try:
+        target = etcd_target(args.config)
+    except RegistrationConfigError as exc:
+        raise SystemExit(f"model-worker: {exc}") from None
+    if target is None:
+        return None
+    from wire.messages import PROTOCOL_VERSION
+
+    record = Record(
+        worker_id=args.worker_id,
+        model=spec.name,
+        replica=args.replica,
+        endpoint=_advertised(args.listen, args.advertise),
+        public_key=public_key.decode("ascii"),
+        capacity=Capacity(max_jobs=spec.max_jobs, max_queue=spec.max_queue) if spec.max_jobs else None,
+        protocol_version=PROTOCOL_VERSION,
+    )
+    registration = Registration(
+        record,
+        target.endpoints,
+        prefix=target.prefix,
+        ttl_s=target.ttl_s,
+        request_timeout_s=target.request_timeout_s,
+        retry_interval_s=target.retry_interval_s,
+    )
+    thread = RegistrationThread(registration)
+    thread.start()
+    return thread
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     spec = _spec(args)
@@ -181,11 +249,14 @@ def main(argv: list[str] | None = None) -> int:
     from model_worker.serve_loop import Worker
 
     tracing.start(args.worker_id, spec.name)  # only when the OTEL_* variables ask for it
+    registration = None
     if args.listen is not None:
         assert keys is not None  # checked above
         public, secret, gateways = keys
         listen = (public, secret, frozenset(gateways))
         worker = Worker(args.worker_id, args.listen, spec, parent_pid=None, listen=listen)
+        # Registered once the socket exists: a gateway that connects before the bind just retries.
+        registration = _registration(args, spec, public)
     else:
         curve = (keys[0], keys[1], keys[2][0]) if keys is not None else None
         worker = Worker(args.worker_id, args.connect, spec, parent_pid=args.parent_pid, curve=curve)
@@ -198,6 +269,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return worker.run()
     finally:
+        if registration is not None:  # revoked after the drain: every gateway forgets this worker now
+            registration.stop()
         tracing.stop()  # the last spans are exported before the process exits
 
 

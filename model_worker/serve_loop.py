@@ -97,6 +97,7 @@ class Worker:
             wire.Cancel: self._on_cancel,
             wire.Embed: self._on_embed,
             wire.Shutdown: self._on_shutdown,
+            wire.Retire: self._on_retire,
             wire.Reintroduce: self._on_reintroduce,
         }
         # From its start() on, the socket is the link thread's alone. It passes on the messages
@@ -326,6 +327,10 @@ class Worker:
 
     def _on_shutdown(self, msg: wire.Shutdown) -> None:
         logger.info("shutdown requested (grace %.1fs)", msg.grace_s)
+        self.request_stop(msg.grace_s)
+
+    def _on_retire(self, msg: wire.Retire) -> None:
+        logger.info("retired by the leading gateway (grace %.1fs)", msg.grace_s)
         self.request_stop(msg.grace_s)
 
     # ---- sending -------------------------------------------------------------------------------

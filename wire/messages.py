@@ -6,7 +6,7 @@ all. Requests carry a `rid`
 (one engine job, or one tokenize exchange); a worker answers Generate with Accepted or Rejected
 before any Step mentions the job, so the gateway can answer an HTTP error before a stream opens.
 
-gateway -> worker: Generate, Cancel, Tokenize, Detokenize, Embed, Shutdown, Reintroduce, Ping
+gateway -> worker: Generate, Cancel, Tokenize, Detokenize, Embed, Shutdown, Retire, Reintroduce, Ping
 worker -> gateway: Hello, Status, Ready, Accepted, Rejected, Tokens, Embeddings, Step, JobsAborted,
                    Heartbeat, Fatal
 """
@@ -27,7 +27,8 @@ from wire.trace_context import TraceParent
 # and optional), but a version 3 worker would refuse every version 4 Generate, so the version says so.
 # 5: Ping (a gateway's liveness, for workers that serve several gateways), the worker's load in
 # Heartbeat, and the worker_full and gateway_gone codes: a version 4 worker would drop every Ping.
-PROTOCOL_VERSION = 5
+# 6: Retire (the leading gateway stops a listening worker for every gateway).
+PROTOCOL_VERSION = 6
 
 # ---- gateway -> worker -------------------------------------------------------------------------
 
@@ -95,6 +96,15 @@ class Shutdown(Message, frozen=True):
 
     grace_s: Finite
     TAG: ClassVar[str] = "shutdown"
+
+
+class Retire(Message, frozen=True):
+    """Cluster mode: the leading gateway stops this worker for every gateway (a listening worker
+    takes Shutdown as one gateway letting go). Drain for `grace_s`, abort what is left, exit; its
+    etcd registration is revoked on the way out, so every gateway forgets it."""
+
+    grace_s: Finite
+    TAG: ClassVar[str] = "retire"
 
 
 class Reintroduce(Message, frozen=True):
@@ -215,7 +225,7 @@ class Fatal(Message, frozen=True):
 
 PROTOCOL = Codec(
     [
-        Generate, Cancel, Tokenize, Detokenize, Embed, Shutdown, Reintroduce, Ping,
+        Generate, Cancel, Tokenize, Detokenize, Embed, Shutdown, Retire, Reintroduce, Ping,
         Hello, Status, Ready, Accepted, Rejected, Tokens, Embeddings, Step, JobsAborted, Heartbeat, Fatal,
     ]
 )  # fmt: skip

@@ -23,10 +23,14 @@ from pydantic import ValidationError
 
 from gateway.cluster.etcd_session import UNREACHABLE, EtcdSession
 from gateway.cluster.membership import MembershipChange, MemberTable, WorkerRecord, cancel_and_wait
-from gateway.cluster.registration import worker_key
 from gateway.cluster.settings import EtcdSettings
 
 logger = logging.getLogger(__name__)
+
+
+def worker_key(prefix: str, worker_id: str) -> bytes:
+    """Where a worker's record lives (model_worker.registration writes it there)."""
+    return f"{prefix}workers/{worker_id}".encode()
 
 
 class EtcdMembership:

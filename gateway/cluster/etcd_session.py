@@ -1,8 +1,9 @@
 """One connection to an etcd cluster, over its gRPC API (aetcd, native asyncio: nothing blocks the
 event loop), moving to the next endpoint when the one in use fails.
 
-Runs in the gateway process (membership, leadership) and in the worker (its registration); each
-user holds its own session. Imports nothing else of the gateway.
+Runs in the gateway process (membership, leadership); each user holds its own session. A worker's
+registration has its own small client (model_worker.registration). Imports nothing else of the
+gateway.
 
 Why these gRPC options: the channel retries a lost connection with exponential backoff that grows
 to two minutes by default; capped at one second, a restarted etcd is seen again within a second.

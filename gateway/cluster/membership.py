@@ -1,8 +1,8 @@
 """What every membership and leadership backend shares: the worker record, the change events, the
 two interfaces the gateway calls, and the table that turns snapshots into join/leave events.
 
-Runs in the gateway process (the record also in the worker, which publishes its own). Imports
-nothing else of the gateway, so that the worker side can use it without the gateway package.
+Runs in the gateway process. The worker publishes its own record (model_worker.registration, the
+same JSON fields) without importing this module: the two processes never import each other.
 
 A backend (etcd or Kubernetes) owns how records are found; the gateway sees only `Membership`
 (who is there now, and what changed) and `Leader` (am I the one who decides, and claim a decision

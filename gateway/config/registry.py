@@ -515,6 +515,24 @@ def _hub_refs(raw: Any, registry: Registry, source: Path) -> list[HubRef | None]
     return refs
 
 
+def _check_cluster_models(registry: Registry, source: Path) -> None:
+    """Cluster mode: a gateway spawns no worker (each would spawn its own, and a model would load
+    once per gateway); every model is served by listening workers (gateway.cluster.decisions)."""
+    cluster = registry.server.cluster
+    if cluster is None:
+        return
+    local = [m.name for m in registry.models if not m.remote]
+    if local:
+        raise ConfigError(
+            "\n".join(
+                f"{source}: model {name!r}, field 'remote': in cluster mode (server.cluster.backend: "
+                f"{cluster.backend}) gateways spawn no worker, so that no model is loaded twice by two "
+                "gateways: set `remote: true` and run its workers with `model-worker --listen`"
+                for name in local
+            )
+        )
+
+
 def _check_fallbacks(registry: Registry, source: Path) -> None:
     """Each fallback names another model of the same task; only generate models have fallbacks."""
     errors = []
@@ -552,6 +570,7 @@ def parse_registry(raw: Any, source: Path, check_engines: bool = True) -> Regist
         lines = [f"{source}: {_describe(e, raw)}" for e in exc.errors()]
         raise ConfigError("\n".join(lines)) from None
     _check_fallbacks(registry, source)
+    _check_cluster_models(registry, source)
     base = source.parent
     cache = registry.server.model_cache_dir
     cache_dir = (base / cache).resolve() if cache is not None else DEFAULT_MODEL_CACHE.expanduser()

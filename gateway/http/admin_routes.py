@@ -1,4 +1,5 @@
-"""Admin routes that change what runs: reload models.yaml, load and unload one model.
+"""Admin routes that change what runs: reload models.yaml, load and unload one model, and in
+cluster mode retire a listening worker for every gateway (decided once, by the leader).
 
 Runs in the gateway process. Owns the operator actions; the work itself is the supervisor's
 (`retire`, `launch`), the Gateway's (`apply_registry`, `unload`) and gateway.reloads' (a reload
@@ -19,10 +20,12 @@ from typing import Any
 
 from quart import Blueprint, Quart, current_app, jsonify, request
 
+from gateway.cluster.decisions import Outcome
 from gateway.config.registry import ConfigError
-from gateway.errors import InvalidRequest, ModelNotFound
+from gateway.errors import Conflict, InvalidRequest, ModelNotFound, NotFound
 from gateway.http.current import current_gateway
 from gateway.reloads import ReloadRecord, Reloads
+from wire import messages as wire
 
 logger = logging.getLogger(__name__)
 blueprint = Blueprint("admin", __name__)
@@ -112,3 +115,56 @@ async def unload_model(name: str) -> Any:
     handles = _handles(name)
     ended = await gateway.unload(name)
     return jsonify({"model": name, "requests_ended": ended, "workers": [h.describe() for h in handles]})
+
+
+@blueprint.post("/admin/workers/<path:worker_id>/retire")
+async def retire_worker(worker_id: str) -> Any:
+    """Cluster mode: stop a listening worker for every gateway, decided once by the leader
+    (gateway.cluster.decisions). `?grace_s=` lets its jobs finish first (default shutdown_grace_s)."""
+    gateway = current_gateway()
+    decisions = gateway.supervisor.decisions
+    if decisions is None:
+        raise InvalidRequest(
+            "retiring a worker is decided by the cluster's leader: it needs server.cluster with "
+            "backend etcd or kubernetes",
+            code="no_leader_election",
+        )
+    handle = gateway.supervisor.workers.get(worker_id)
+    if handle is None or not handle.remote:
+        raise NotFound(f"no cluster worker {worker_id!r} is known to this gateway")
+    grace_s = _grace_seconds(gateway.registry.server.shutdown_grace_s)
+    # One decision per worker process: a worker restarted under the same id may be retired again.
+    decision = f"retire/{worker_id}/{handle.pid if handle.pid is not None else 'unknown'}"
+
+    async def send_retire() -> None:
+        if not gateway.link.send(worker_id, wire.Retire(grace_s)):
+            logger.warning("retire of %s decided, but the frame could not be sent now", worker_id)
+
+    outcome = await decisions.decide(decision, send_retire)
+    body = {"worker": worker_id, "decision": decision, "outcome": outcome.value, **decisions.view()}
+    if outcome is Outcome.NOT_LEADER:
+        raise NotLeader(f"this gateway ({decisions.leader.identity}) does not lead the cluster; ask again")
+    return jsonify(body), 202 if outcome is Outcome.DONE else 200
+
+
+@blueprint.get("/admin/cluster")
+async def cluster_view() -> Any:
+    decisions = current_gateway().supervisor.decisions
+    return jsonify({"leader_election": decisions.view() if decisions is not None else None})
+
+
+class NotLeader(Conflict):
+    code = "not_leader"
+
+
+def _grace_seconds(default: float) -> float:
+    text = request.args.get("grace_s")
+    if text is None:
+        return default
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not (math.isfinite(value) and 0.0 <= value <= MAX_WAIT_S):
+        raise InvalidRequest(f"grace_s must be a number of seconds from 0 to {MAX_WAIT_S:g}", param="grace_s")
+    return value

@@ -7,7 +7,8 @@ jobs the worker says it holds with no step it reports for `wedge_timeout_s` (wed
 gateway.workers.step_watch). When a worker goes, every request it held hears so at once, through
 the link, from its owner. Idle unloads and retries of failed workers run in gateway.workers.upkeep.
 In cluster mode it also starts gateway.workers.cluster_members, which connects to the listening
-workers of the membership; those join and leave like any remote worker.
+workers of the membership (those join and leave like any remote worker), and, with etcd or
+Kubernetes, gateway.cluster.decisions, this gateway's part in electing the one that decides.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict
 
+from gateway.cluster.decisions import Decisions
 from gateway.config.api_keys import API_KEY_VARIABLES
 from gateway.config.registry import ModelConfig, Registry, worker_spec
 from gateway.errors import WorkerFailed
@@ -57,6 +59,7 @@ class Supervisor:
         self._stopping = False
         self._upkeep_task: asyncio.Task[None] | None = None
         self.cluster: ClusterMembers | None = None
+        self.decisions: Decisions | None = None  # cluster mode with a leader (etcd, Kubernetes)
         self.remote = RemoteMembers(self)
         self.loads = LoadGate(self)
         for model in registry.models:
@@ -105,6 +108,9 @@ class Supervisor:
             self.registry.server.heartbeat_interval_s,
         )  # fmt: skip
         await self.cluster.start()
+        if cluster.backend != "static":  # a static list has no leader: nothing is decided once
+            self.decisions = Decisions(cluster)
+            await self.decisions.start()
 
     def leave_cluster(self, worker_id: str) -> None:
         """A worker left the membership: what it held ends now, and it is forgotten."""
@@ -165,6 +171,8 @@ class Supervisor:
         self._stopping = True
         if self._upkeep_task is not None:
             self._upkeep_task.cancel()
+        if self.decisions is not None:  # resigning hands leadership over at once
+            await self.decisions.stop()
         if self.cluster is not None:
             await self.cluster.stop()
         for handle in self.workers.values():

@@ -24,8 +24,8 @@ import pytest
 
 from gateway.cluster.etcd_membership import EtcdMembership
 from gateway.cluster.membership import Capacity, MembershipChange, WorkerRecord
-from gateway.cluster.registration import Registration
 from gateway.cluster.settings import EtcdSettings
+from model_worker.registration import Registration
 from tests.etcd_server import EtcdServer
 from tests.harness import REPO_ROOT, async_wait_until
 
@@ -118,7 +118,7 @@ def test_registered_workers_join_with_their_record_and_leave_when_they_stop(etcd
 WORKER_SCRIPT = """
 import asyncio, sys
 from gateway.cluster.membership import WorkerRecord
-from gateway.cluster.registration import Registration
+from model_worker.registration import Registration
 
 async def main():
     record = WorkerRecord.model_validate_json(sys.argv[1])

@@ -1,0 +1,89 @@
+"""The decisions one gateway of the cluster takes for all: gated on leadership, taken exactly once.
+
+Runs in the gateway process, on its asyncio loop; started with cluster mode when the backend has a
+leader (etcd or Kubernetes; a static list has none, and then every gateway decides for itself).
+Owns this gateway's `Leader` (gateway.cluster.backends) and the wait for it.
+
+What is gated, and why so little: in cluster mode gateways spawn no worker (every model is
+`remote: true`, served by workers that are services of their own), so loading on demand, exclusive
+GPU groups and idle unloads, which start and stop processes a gateway spawned, do not happen in
+cluster mode at all, and no model can be loaded twice by two gateways. A registry reload changes
+only the reloading gateway's own routes. What remains to decide once for the whole cluster is
+retiring a listening worker (`POST /admin/workers/{id}/retire`): it stops for every gateway, so
+exactly one gateway, the leader, sends it `Retire`, under a claim that etcd (or the API server)
+grants to one caller ever. A request that arrives while no gateway leads (the leader just died)
+waits for this gateway to take over, up to the lease's TTL; one that arrives at a follower while
+another leads is refused with 409 `not_leader`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from gateway.cluster.membership import Leader, decide_once
+from gateway.cluster.settings import ClusterConfig
+
+logger = logging.getLogger(__name__)
+
+
+class Outcome(enum.Enum):
+    DONE = "done"  # this gateway leads, claimed the decision and acted
+    ALREADY_DECIDED = "already_decided"  # someone claimed it before (now, or before a handover)
+    NOT_LEADER = "not_leader"  # another gateway leads, or none took over in time
+
+
+class Decisions:
+    def __init__(self, config: ClusterConfig) -> None:
+        from gateway.cluster.backends import make_leader
+
+        self._leading = asyncio.Event()
+        self.leader: Leader = make_leader(config, self._on_change)
+        # How long a decision waits for a leader: a handover takes at most the lease's TTL.
+        if config.backend == "etcd":
+            assert config.etcd is not None
+            # etcd finds an expired lease within half a second; the follower's watch then campaigns.
+            self.handover_s: float = config.etcd.leader_ttl_s + 1.0 + config.etcd.retry_interval_s
+        else:
+            k8s = config.kubernetes_settings()
+            self.handover_s = k8s.lease_duration_s + 2 * k8s.retry_period_s
+
+    def _on_change(self, leading: bool) -> None:
+        logger.info("this gateway %s", "leads the cluster now" if leading else "no longer leads")
+        if leading:
+            self._leading.set()
+        else:
+            self._leading.clear()
+
+    async def start(self) -> None:
+        await self.leader.start()
+
+    async def stop(self) -> None:
+        await self.leader.stop()
+
+    async def decide(self, decision: str, action: Callable[[], Awaitable[Any]]) -> Outcome:
+        """Run `action` if this gateway leads (waiting up to a handover for it to lead) and is the
+        first ever to claim `decision`."""
+        if not self.leader.is_leader:
+            try:
+                await asyncio.wait_for(self._leading.wait(), self.handover_s)
+            except asyncio.TimeoutError:
+                return Outcome.NOT_LEADER
+        done = False
+
+        async def act() -> None:
+            nonlocal done
+            await action()
+            done = True
+
+        await decide_once(self.leader, decision, act)
+        if done:
+            logger.info("decision %s taken by this gateway", decision)
+            return Outcome.DONE
+        return Outcome.ALREADY_DECIDED if self.leader.is_leader else Outcome.NOT_LEADER
+
+    def view(self) -> dict[str, Any]:
+        return {"identity": self.leader.identity, "leader": self.leader.is_leader}

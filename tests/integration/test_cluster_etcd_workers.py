@@ -1,0 +1,202 @@
+"""Cluster mode on etcd, end to end: listening workers register themselves, a gateway follows.
+
+A second test runs two gateways on one etcd: one leads; retiring a worker (a decision taken once
+for the whole cluster, gateway.cluster.decisions) asked of the follower twice at once while the
+leader has just been SIGKILLed waits for the follower to take over, within the lease's TTL, and
+happens exactly once.
+
+Real processes: etcd (Debian's etcd-server, on free loopback ports), `model-worker --listen`
+(transformers on the demo model, tcp with CURVE) that registers itself in etcd from its registry
+file's `server.cluster.etcd`, and a gateway with `server.cluster.backend: etcd` that finds the
+worker in etcd, connects and serves. A worker SIGKILLed leaves the gateway's view when its lease
+expires; a worker started later is found, connected and served. Every wait is on an event.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.etcd_server import EtcdServer
+from tests.harness import REPO_ROOT, GatewayProcess, free_port, wait_until
+from tests.integration.conftest import demo_entry, write_registry
+
+TTL_S = 3
+# etcd looks for expired leases every 500 ms; the delete then reaches the watch and the gateway.
+EXPIRY_SLACK_S = 2.0
+
+
+class EtcdCluster:
+    def __init__(self, root: Path, model_dir: Path, etcd: EtcdServer) -> None:
+        self.root = root
+        self.keys = root / "keys"
+        subprocess.run(
+            [sys.executable, "-m", "gateway", "keys", str(self.keys),
+             "--name", "gateway", "--name", "worker-a", "--name", "worker-b"],
+            check=True, cwd=REPO_ROOT, capture_output=True,
+        )  # fmt: skip
+        self.config = write_registry(
+            root / "models.yaml",
+            [demo_entry("shared", model_dir, remote=True,
+                        limits={"max_concurrent_jobs": 4, "worker_queued_jobs": 2})],
+            heartbeat_timeout_s=2.0,
+            cluster={
+                "backend": "etcd",
+                "secret_key_file": str(self.keys / "gateway.key_secret"),
+                "etcd": {"endpoints": [etcd.endpoint], "prefix": "/etcd-workers-test/",
+                         "worker_ttl_s": TTL_S, "leader_ttl_s": TTL_S,
+                         "request_timeout_s": 0.5, "retry_interval_s": 0.2},
+            },
+        )  # fmt: skip
+        self.workers: list[subprocess.Popen[bytes]] = []
+
+    def start_worker(self, name: str, replica: int) -> subprocess.Popen[bytes]:
+        cmd = [
+            sys.executable, "-m", "model_worker", "--listen", f"tcp://127.0.0.1:{free_port()}",
+            "--config", str(self.config), "--model", "shared", "--worker-id", f"shared@{name}",
+            "--replica", str(replica),
+            "--curve-secret-key", str(self.keys / f"worker-{name}.key_secret"),
+            "--gateway-public-key", str(self.keys / "gateway.key"),
+        ]  # fmt: skip
+        with open(self.root / f"worker-{name}.log", "wb") as log:
+            process = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)
+        self.workers.append(process)
+        return process
+
+    def worker_log(self, name: str) -> str:
+        return (self.root / f"worker-{name}.log").read_text(errors="replace")[-20000:]
+
+
+@pytest.fixture
+def etcd(tmp_path: Path) -> Iterator[EtcdServer]:
+    server = EtcdServer(tmp_path)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.kill()
+
+
+@pytest.fixture
+def cluster(tmp_path: Path, demo_model_dir: Path, etcd: EtcdServer) -> Iterator[EtcdCluster]:
+    cluster = EtcdCluster(tmp_path, demo_model_dir, etcd)
+    try:
+        yield cluster
+    finally:
+        for process in cluster.workers:
+            if process.poll() is None:
+                process.kill()
+                process.wait(30)
+
+
+def _row(gateway: GatewayProcess, worker_id: str) -> dict[str, Any] | None:
+    found = [w for w in gateway.workers() if w["id"] == worker_id]
+    return found[0] if found else None
+
+
+def _complete(gateway: GatewayProcess) -> httpx.Response:
+    return httpx.post(
+        gateway.url + "/v1/completions",
+        json={"model": "shared", "prompt": "Hello", "max_tokens": 4},
+        timeout=60,
+    )
+
+
+def test_workers_found_in_etcd_are_served_and_forgotten_when_their_lease_expires(
+    cluster: EtcdCluster,
+) -> None:
+    first = cluster.start_worker("a", 0)
+    with GatewayProcess(cluster.config) as gateway:  # ready once the worker found in etcd is
+        row = _row(gateway, "shared@a")
+        assert row is not None and row["state"] == "ready", row
+        reply = _complete(gateway)
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["usage"]["completion_tokens"] == 4
+        assert "registered in etcd" in cluster.worker_log("a")
+
+        # SIGKILL: no goodbye, no revoke. The link sees it lost; the lease's expiry makes it leave.
+        first.send_signal(signal.SIGKILL)
+        killed_at = time.monotonic()
+        first.wait(10)
+        wait_until(
+            lambda: _row(gateway, "shared@a") is None,
+            "the killed worker to leave the gateway's view",
+            TTL_S + EXPIRY_SLACK_S + 5,
+            poll_s=0.05,
+            context=gateway.events,
+        )
+        gone_after = time.monotonic() - killed_at
+        assert gone_after < TTL_S + EXPIRY_SLACK_S, gone_after
+        assert _complete(gateway).status_code == 503  # no worker of the model now
+
+        # A worker that registers later is found, connected, and served.
+        cluster.start_worker("b", 1)
+        wait_until(
+            lambda: (_row(gateway, "shared@b") or {}).get("state") == "ready",
+            "the later worker to be ready in the gateway",
+            120,
+            poll_s=0.1,
+            context=lambda: cluster.worker_log("b") + "\n---\n" + gateway.events(),
+        )
+        reply = _complete(gateway)
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["usage"]["completion_tokens"] == 4
+
+
+def _leads(gateway: GatewayProcess) -> bool:
+    view = httpx.get(gateway.url + "/admin/cluster", timeout=5).json()["leader_election"]
+    return bool(view["leader"])
+
+
+def test_a_decision_asked_during_a_handover_is_taken_once_by_the_new_leader(cluster: EtcdCluster) -> None:
+    worker = cluster.start_worker("a", 0)
+    with GatewayProcess(cluster.config) as first:
+        wait_until(lambda: _leads(first), "the first gateway to lead", 30, context=first.events)
+        with GatewayProcess(cluster.config) as second:
+            assert not _leads(second)
+            assert (_row(second, "shared@a") or {}).get("state") == "ready"
+            first.process.send_signal(signal.SIGKILL)  # the leader dies without resigning
+            killed_at = time.monotonic()
+            first.process.wait(10)
+
+            answers: list[tuple[httpx.Response, float]] = []
+
+            def retire() -> None:
+                reply = httpx.post(
+                    second.url + "/admin/workers/shared@a/retire", params={"grace_s": 1}, timeout=30
+                )
+                answers.append((reply, time.monotonic() - killed_at))
+
+            asking = [threading.Thread(target=retire) for _ in range(2)]
+            for thread in asking:
+                thread.start()
+            for thread in asking:
+                thread.join(30)
+            outcomes = sorted(reply.json().get("outcome", reply.text) for reply, _ in answers)
+            assert outcomes == ["already_decided", "done"], [r.text for r, _ in answers]
+            done = next(at for reply, at in answers if reply.json()["outcome"] == "done")
+            assert done < TTL_S + EXPIRY_SLACK_S, done  # the follower took over within the lease's TTL
+            assert _leads(second)
+
+            # Exactly once: the worker was told once, drains, exits, and leaves every view at once.
+            worker.wait(30)
+            assert worker.returncode == 0, cluster.worker_log("a")
+            assert cluster.worker_log("a").count("retired by the leading gateway") == 1
+            wait_until(
+                lambda: _row(second, "shared@a") is None,
+                "the retired worker to leave the gateway's view",
+                TTL_S,
+                poll_s=0.05,
+                context=second.events,
+            )
+            again = httpx.post(second.url + "/admin/workers/shared@a/retire", timeout=30)
+            assert again.status_code == 404, again.text
