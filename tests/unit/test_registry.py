@@ -266,7 +266,8 @@ def test_hub_paths(tmp_path: Path) -> None:
 
 
 def test_remote_model_needs_a_listener(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match=r"remote, but server.remote_workers is not configured"):
+    match = r"are remote, but neither server.remote_workers nor server.cluster is configured"
+    with pytest.raises(ConfigError, match=match):
         load_registry(
             write(tmp_path, "models:\n  - {name: r, engine: transformers, path: x, remote: true}\n")
         )
