@@ -51,7 +51,7 @@ from gateway.observability.logging_setup import set_log_context
 from gateway.serving.choice_text import ChoiceText, Cut, TextPlan
 from gateway.serving.continuation import continue_choice
 from gateway.serving.outputs import ChoiceInput, ChoiceOutput, Delta, usage_totals
-from gateway.serving.router import AdmissionStopped
+from gateway.serving.router import AdmissionStopped, ReplicasExhausted
 from wire import messages as wire
 from wire.codec import ENCODE_ERRORS
 from wire.params import SamplingParams
@@ -219,6 +219,7 @@ class RequestOwner:
         for choice, size in zip(self.choices, sizes, strict=True):
             choice.work = size + choice.params.max_tokens
         avoid: frozenset[str] = frozenset()
+        error: APIError | None = None  # the last attempt's failure, once one failed
         while True:
             try:
                 replicas = await route.acquire_slots(
@@ -227,6 +228,9 @@ class RequestOwner:
             except AdmissionStopped:
                 assert self.error is not None
                 raise self.error from None
+            except ReplicasExhausted:
+                assert error is not None  # avoid is empty until an attempt failed
+                raise error from None
             replies = [
                 self._start(choice, replica) for choice, replica in zip(self.choices, replicas, strict=True)
             ]
@@ -257,6 +261,7 @@ class RequestOwner:
             for choice in self.choices:
                 choice.end_job(cancel=True)
             avoid |= failed
+            assert error is not None  # set with every failed replica
             if not route.has_other_replica(avoid):
                 raise error
             logger.info("replica %s failed before starting a job; trying another", ", ".join(sorted(failed)))

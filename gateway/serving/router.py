@@ -34,6 +34,11 @@ class AdmissionStopped(Exception):
     """The request gave up waiting for a slot (its owner aborted it); the owner says why."""
 
 
+class ReplicasExhausted(Exception):
+    """Every replica that may still serve is one this request already failed on (it refused the
+    job as full, or failed to start it): waiting on cannot place it, so its last failure stands."""
+
+
 class _Waiter:
     """A request's place in a model's line; `changed` resolves when it should look again."""
 
@@ -228,6 +233,10 @@ class ModelRoute:
                 reason = self._unservable_reason()
                 if reason:
                     raise ServiceUnavailable(reason)
+                if avoid and not self.has_other_replica(avoid):
+                    # The replica it waited for was lost meanwhile; waiting to its deadline would
+                    # also hold every request queued behind it.
+                    raise ReplicasExhausted()
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise RequestTimeout("the request timed out while waiting for a free slot")

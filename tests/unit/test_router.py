@@ -15,7 +15,7 @@ import pytest
 
 from gateway.config.registry import ModelConfig, ModelLimits, Registry
 from gateway.errors import InvalidRequest, ModelNotFound, QueueFull, RequestTimeout, ServiceUnavailable
-from gateway.serving.router import AdmissionStopped, ModelRoute, Router
+from gateway.serving.router import AdmissionStopped, ModelRoute, ReplicasExhausted, Router
 from gateway.workers.handle import WorkerHandle
 from tests.harness import async_wait_until, settle
 from wire.states import WorkerState
@@ -128,6 +128,26 @@ def test_waiting_ends_at_the_deadline() -> None:
         await route.acquire(soon())
         with pytest.raises(RequestTimeout):
             await route.acquire(time.monotonic() + 0.05)
+
+    run(scenario())
+
+
+def test_a_wait_for_the_last_replica_outside_avoid_ends_when_that_replica_is_lost() -> None:
+    """r0 refused this request (full); it waits for r1, which is busy. When r1 is lost, waiting on
+    could only end at the deadline and would hold every request queued behind it."""
+    route = route_of(S.READY, S.READY, max_concurrent_jobs=1)
+    r0, r1 = route.replicas
+
+    async def scenario() -> None:
+        await route.acquire(soon(), avoid=frozenset({r0.id}))  # r1's one slot is taken
+        waiter = asyncio.create_task(route.acquire(soon(), avoid=frozenset({r0.id})))
+        behind = asyncio.create_task(route.acquire(soon()))
+        await waiting(route, 2)
+        r1.state = S.FAILED
+        route.notify()
+        with pytest.raises(ReplicasExhausted):
+            await asyncio.wait_for(waiter, 1)
+        assert (await asyncio.wait_for(behind, 1)) is r0  # the one behind it goes on at once
 
     run(scenario())
 
