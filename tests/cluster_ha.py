@@ -1,12 +1,14 @@
-"""Several gateways behind HAProxy, with Redis and listening workers on hosts of their own.
+"""Several gateways behind HAProxy, with etcd, Redis and listening workers on hosts of their own.
 
 Runs in the pytest process. Owns `HaCluster`: on a LAN of network namespaces (tests.cluster_ha_net)
 three gateways (gw-1..gw-3, each on its own host, port 8000), two hosts with one listening worker
-each (`model-worker --listen`, transformers on the demo model: two replicas of model `ha`), Redis on
-a host of its own (rate limits shared by the gateways), and HAProxy in the test's own namespace,
-round robin over the gateways (tests.haproxy_server). How the gateways find the workers is a
-parameter, `membership`: `StaticMembership` lists them in every gateway's registry. A backend with
-a service of its own (etcd) starts it in `start` and tells the gateways and workers where it is.
+each (`model-worker --listen`, transformers on the demo model: two replicas of model `ha`), a third
+worker host whose worker (the spare, replica 2) only the cases that need one start, Redis on a host
+of its own (rate limits shared by the gateways), and HAProxy in the test's own namespace, round
+robin over the gateways (tests.haproxy_server). How the gateways find the workers is a parameter,
+`membership`: `EtcdMembership` runs etcd on a host of its own (the workers register themselves
+there, the gateways watch it and elect a leader); `StaticMembership` lists the workers in every
+gateway's registry and runs nothing.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any, Protocol
 import httpx
 
 from tests.cluster_ha_net import Host, Lan
+from tests.etcd_server import EtcdServer
 from tests.haproxy_server import HAProxy
 from tests.harness import REPO_ROOT, GatewayProcess, wait_until
 from tests.integration.conftest import demo_entry, write_registry
@@ -29,7 +32,13 @@ from tests.redis_server import RedisServer
 
 MODEL = "ha"
 GATEWAYS = ("gw-1", "gw-2", "gw-3")
-GATEWAY_PORT, WORKER_PORT, REDIS_PORT = 8000, 5601, 6379
+GATEWAY_PORT, WORKER_PORT, REDIS_PORT, ETCD_PORT, ETCD_PEER_PORT = 8000, 5601, 6379, 2379, 2380
+# The leader's lease: short, so that a dead leader is replaced in seconds. The workers' lease is long:
+# nothing here waits for one to expire (a stopped worker revokes it); on 2 busy cores a stall of 3 s
+# let a 3 s lease expire under a live worker; and it outlasts a host cut off (about 10 s), because a
+# worker that leaves and joins again within a moment can be lost for good by a gateway (seen here:
+# the gateway reconnects under the same routing id, the worker fails to route to it and forgets it).
+LEADER_TTL_S, WORKER_TTL_S = 3, 30
 HEARTBEAT_TIMEOUT_S = 2.0
 # Each worker runs 2 jobs and holds 2 more waiting (not yet started): 8 slots for the 6 clients of
 # the load, so a steady load never meets a full worker, and each worker usually has a job waiting.
@@ -58,6 +67,7 @@ class Membership(Protocol):
     name: str
 
     def start(self, lan: Lan, root: Path) -> None: ...
+    def heal(self) -> None: ...
     def stop(self) -> None: ...
     def cluster_section(self, workers: list[Worker], keys: Path) -> dict[str, Any]: ...
     def worker_args(self, worker: Worker) -> list[str]: ...
@@ -69,6 +79,9 @@ class StaticMembership:
     name = "static"
 
     def start(self, lan: Lan, root: Path) -> None:
+        pass
+
+    def heal(self) -> None:
         pass
 
     def stop(self) -> None:
@@ -83,12 +96,72 @@ class StaticMembership:
         return []
 
 
-# TODO(etcd membership, other helper's work): an `EtcdMembership` whose `start` runs tests.etcd_server
-# on a host of the LAN, whose `cluster_section` is `backend: etcd` with its endpoint, and whose
-# `worker_args` register each worker there; then the etcd case (etcd killed: routing goes on with
-# the last membership, joins resume when it is back) and the leader case (the leader killed: another
-# takes over within the lease's TTL, an on-demand load in flight happens exactly once) in
-# tests/integration/test_cluster_ha.py.
+class NetnsEtcd(EtcdServer):
+    """etcd on a host of the LAN (its client port 2379 there); killed and started on the same data."""
+
+    def __init__(self, folder: Path, host: Host) -> None:
+        folder.mkdir(exist_ok=True)
+        super().__init__(folder)
+        self.host = host
+        self.client_port, self.peer_port = ETCD_PORT, ETCD_PEER_PORT
+
+    @property
+    def endpoint(self) -> str:
+        return f"{self.host.ip}:{self.client_port}"
+
+    def start(self) -> None:
+        client, peer = f"http://{self.endpoint}", f"http://{self.host.ip}:{self.peer_port}"
+        args = self.host.command(
+            self.binary, "--name", "ha", "--data-dir", str(self.folder / "data"),
+            "--listen-client-urls", client, "--advertise-client-urls", client,
+            "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+            "--initial-cluster", f"ha={peer}", "--initial-cluster-state", "new",
+            "--logger", "zap", "--log-outputs", "stderr",
+        )  # fmt: skip
+        with (self.folder / "etcd.log").open("ab") as log:  # the child keeps its own copy of the fd
+            self.process = subprocess.Popen(args, stdout=log, stderr=log)
+        wait_until(self._healthy, "etcd to answer /health", context=self.log)
+
+    def _healthy(self) -> bool:
+        assert self.process is not None
+        if self.process.poll() is not None:
+            raise AssertionError(f"etcd exited with {self.process.returncode}:\n{self.log()}")
+        try:
+            response = httpx.get(f"http://{self.endpoint}/health", timeout=1)
+        except httpx.HTTPError:
+            return False
+        return response.status_code == 200 and response.json().get("health") == "true"
+
+
+class EtcdMembership:
+    """`backend: etcd`: etcd on a host of its own; each worker registers itself there (its registry
+    copy says where), every gateway watches it and campaigns for the leader's lease."""
+
+    name = "etcd"
+
+    def __init__(self) -> None:
+        self.etcd: NetnsEtcd | None = None
+
+    def start(self, lan: Lan, root: Path) -> None:
+        self.etcd = NetnsEtcd(root / "etcd", lan.add_host("etcd", 40))
+        self.etcd.start()
+
+    def heal(self) -> None:
+        if self.etcd is not None and self.etcd.process is None:
+            self.etcd.start()
+
+    def stop(self) -> None:
+        if self.etcd is not None:
+            self.etcd.kill()
+
+    def cluster_section(self, workers: list[Worker], keys: Path) -> dict[str, Any]:
+        assert self.etcd is not None
+        etcd = {"endpoints": [self.etcd.endpoint], "prefix": "/ha/", "worker_ttl_s": WORKER_TTL_S,
+                "leader_ttl_s": LEADER_TTL_S, "request_timeout_s": 0.5, "retry_interval_s": 0.2}  # fmt: skip
+        return {"backend": "etcd", "etcd": etcd}
+
+    def worker_args(self, worker: Worker) -> list[str]:
+        return ["--replica", str(worker.replica)]  # it advertises its --listen address
 
 
 class ClusterGateway(GatewayProcess):
@@ -109,10 +182,23 @@ class ClusterGateway(GatewayProcess):
         )
         return self
 
-    def workers(self) -> list[dict[str, Any]]:
+    def admin_get(self, path: str) -> Any:
         headers = {"Authorization": f"Bearer {ADMIN_KEY}"}
-        reply = httpx.get(self.url + "/admin/workers", headers=headers, timeout=5)
-        return reply.json()["workers"]  # type: ignore[no-any-return]
+        reply = httpx.get(self.url + path, headers=headers, timeout=5)
+        reply.raise_for_status()
+        return reply.json()
+
+    def workers(self) -> list[dict[str, Any]]:
+        return self.admin_get("/admin/workers")["workers"]  # type: ignore[no-any-return]
+
+    def leads(self) -> bool:
+        """Whether this gateway holds the cluster's leadership now (GET /admin/cluster)."""
+        return bool(self.admin_get("/admin/cluster")["leader_election"]["leader"])
+
+    def retire(self, worker_id: str, grace_s: float) -> httpx.Response:
+        headers = {"Authorization": f"Bearer {ADMIN_KEY}"}
+        return httpx.post(self.url + f"/admin/workers/{worker_id}/retire", params={"grace_s": grace_s},
+                          headers=headers, timeout=30)  # fmt: skip
 
     def worker_state(self, worker_id: str) -> str | None:
         found = [w["state"] for w in self.workers() if w["id"] == worker_id]
@@ -185,12 +271,15 @@ class HaCluster:
     def _start(self) -> None:
         self.lan = self._stack.enter_context(Lan())
         self.gateway_hosts = {name: self.lan.add_host(name, 11 + n) for n, name in enumerate(GATEWAYS)}
-        self.workers = [Worker(f"{MODEL}@host-{x}", n, self.lan.add_host(f"host-{x}", 21 + n), f"worker-{x}")
-                        for n, x in enumerate("ab")]  # fmt: skip
+        # The third is the spare: it runs only once a case starts it, and wait_whole ignores it.
+        *self.workers, self.spare = [
+            Worker(f"{MODEL}@host-{x}", n, self.lan.add_host(f"host-{x}", 21 + n), f"worker-{x}")
+            for n, x in enumerate("abc")
+        ]
         self.redis = NetnsRedis(self.root, self.lan.add_host("redis", 30))
         subprocess.run(
             [sys.executable, "-m", "gateway", "keys", str(self.keys), "--name", "gateway",
-             *[arg for w in self.workers for arg in ("--name", w.key_name)]],
+             *[arg for w in [*self.workers, self.spare] for arg in ("--name", w.key_name)]],
             check=True, cwd=REPO_ROOT, capture_output=True,
         )  # fmt: skip
         _keys_file(self.root / "keys.yaml")
@@ -263,6 +352,7 @@ class HaCluster:
 
     def heal(self) -> None:
         """Whatever a case broke (and did not mend, because it failed) is whole again."""
+        self.membership.heal()
         for name, gateway in list(self.gateways.items()):
             if gateway.process is None or gateway.process.poll() is not None:
                 self.start_gateway(name)
@@ -271,6 +361,22 @@ class HaCluster:
         for worker in self.workers:
             worker.host.mend()
         self.wait_whole()
+
+    def running(self, worker: Worker) -> bool:
+        process = self.worker_processes.get(worker.worker_id)
+        return process is not None and process.poll() is None
+
+    def wait_ready_everywhere(self, worker: Worker, timeout: float = 180) -> None:
+        """Every gateway alive sees `worker` ready (a fresh worker loads its model first)."""
+        for gateway in self.gateways.values():
+            if gateway.process is None or gateway.process.poll() is not None:
+                continue  # a gateway a case killed
+
+            def context(g: ClusterGateway = gateway) -> str:
+                return self.worker_log(worker)[-2000:] + "\n--- gateway:\n" + g.events()
+
+            wait_until(lambda g=gateway: g.worker_state(worker.worker_id) == "ready",
+                       f"{worker.worker_id} ready in {gateway.url}", timeout, context=context)  # fmt: skip
 
     def wait_whole(self) -> None:
         """Every gateway ready, seeing every worker ready, and UP in HAProxy."""
