@@ -88,6 +88,7 @@ lint: install
 	$(BIN)/ruff check gateway model_worker wire tests bench scripts docs
 	$(BIN)/ruff format --check gateway model_worker wire tests bench scripts docs
 	$(BIN)/mypy gateway model_worker wire
+	$(BIN)/lint-imports
 
 bench: install demo-models
 	$(BIN)/python bench/bench_gateway_cpu.py

@@ -34,11 +34,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     check_bind_allowed(registry, host, os.environ)  # no keys: loopback only
     _check_placement(registry)
     if registry.server.remote_workers is not None:
-        from gateway.serving.worker_link import check_remote_keys
+        from gateway.link.worker_link import check_remote_keys
 
         check_remote_keys(registry.server.remote_workers)  # a tcp listener without keys never starts
     if registry.server.cluster is not None:
-        from gateway.serving.worker_dialer import load_cluster_keys
+        from gateway.link.worker_dialer import load_cluster_keys
 
         load_cluster_keys(registry.server.cluster)  # unusable keys: the file and field, before serving
     from gateway.server import run_server
@@ -136,7 +136,7 @@ def _cmd_keys(args: argparse.Namespace) -> int:
 
     folder = Path(args.dir)
     folder.mkdir(parents=True, exist_ok=True)
-    from gateway.workers.remote_keys import set_models
+    from gateway.link.remote_keys import set_models
 
     for name in args.name:
         if (folder / f"{name}.key_secret").exists():

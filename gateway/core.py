@@ -17,11 +17,11 @@ from typing import Any
 
 from gateway.config.registry import Registry
 from gateway.errors import ServiceUnavailable
+from gateway.link.handle import WorkerHandle
+from gateway.link.worker_link import WorkerLink
 from gateway.observability.logging_setup import LoadProgressLog
 from gateway.serving.router import Router
 from gateway.serving.service import GenerationService
-from gateway.serving.worker_link import WorkerLink
-from gateway.workers.handle import WorkerHandle
 from gateway.workers.supervisor import Supervisor
 from wire.states import WorkerState
 

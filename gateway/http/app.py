@@ -45,6 +45,7 @@ from gateway.http.json_body import JsonRequest
 from gateway.http.request_log import begin_request, end_request, finish_request
 from gateway.observability import tracing
 from gateway.observability.metrics import GatewayMetrics, count_response
+from gateway.observability.worker_collector import WorkerCollector
 from gateway.reloads import Reloads
 from gateway.state.response_store import open_store
 
@@ -107,7 +108,8 @@ def create_app(registry: Registry) -> Quart:
     gateway = Gateway.build(registry, runtime_dir)
     app.extensions["gateway"] = gateway
     app.extensions["auth"] = authenticator
-    app.extensions["metrics"] = GatewayMetrics(gateway, counters.add_usage)
+    metrics = app.extensions["metrics"] = GatewayMetrics(counters.add_usage)
+    metrics.registry.register(WorkerCollector(gateway))
     app.extensions["reloads"] = Reloads(gateway, authenticator.use_registry)
     base = registry.source.parent if registry.source is not None else Path.cwd()
     app.extensions["response_store"] = open_store(

@@ -1,1 +1,5 @@
-"""The serving layer of the gateway process: the request owner, the router and the worker link."""
+"""The serving layer of the gateway process: the request owner, the router, outputs and priorities.
+
+Runs in the gateway process. Stands on gateway.link (the worker link and the worker handles) and never
+imports gateway.workers, which stands on the same layer.
+"""

@@ -32,9 +32,9 @@ from wire import messages as wire
 from wire.results import RejectCode
 
 if TYPE_CHECKING:
+    from gateway.link.handle import WorkerHandle
     from gateway.serving.router import ModelRoute
     from gateway.serving.service import GenerationService
-    from gateway.workers.handle import WorkerHandle
 
 logger = logging.getLogger(__name__)
 

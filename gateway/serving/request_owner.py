@@ -58,11 +58,11 @@ from wire.params import SamplingParams
 from wire.results import AbortReason, FinishReason, JobOutput, RejectCode
 
 if TYPE_CHECKING:
+    from gateway.link.handle import WorkerHandle
     from gateway.observability.metrics import RequestRecorder
     from gateway.observability.tracing import RequestSpan
     from gateway.serving.router import ModelRoute
     from gateway.serving.service import GenerationService
-    from gateway.workers.handle import WorkerHandle
 
 logger = logging.getLogger(__name__)
 

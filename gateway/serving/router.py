@@ -25,7 +25,7 @@ from gateway.serving.priority import effective_rank, request_priority
 from wire.states import MAY_SERVE, WorkerState, model_state
 
 if TYPE_CHECKING:
-    from gateway.workers.handle import WorkerHandle
+    from gateway.link.handle import WorkerHandle
 
 Launcher = Callable[["WorkerHandle"], None]
 

@@ -16,6 +16,7 @@ import time
 from typing import Protocol
 
 from gateway.errors import APIError, ServiceUnavailable
+from gateway.link.worker_link import WorkerLink
 from gateway.observability.metrics import RequestRecorder
 from gateway.observability.tracing import RequestSpan
 from gateway.serving.choice_text import TextPlan
@@ -23,7 +24,6 @@ from gateway.serving.exchange_owner import ExchangeOwner
 from gateway.serving.outputs import ChoiceInput
 from gateway.serving.request_owner import RequestOwner
 from gateway.serving.router import ModelRoute
-from gateway.serving.worker_link import WorkerLink
 from wire import messages as wire
 
 logger = logging.getLogger(__name__)

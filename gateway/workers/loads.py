@@ -26,11 +26,11 @@ from typing import TYPE_CHECKING
 
 from gateway.config import hub
 from gateway.config.placement import free_memory_bytes, memory_shortfall
-from gateway.workers.handle import WorkerHandle
+from gateway.link.handle import WorkerHandle
 from wire.states import HOLDS_PROCESS, WorkerState
 
 if TYPE_CHECKING:
-    from gateway.workers.supervisor import Supervisor
+    from gateway.workers.pool import WorkerPool
 
 logger = logging.getLogger(__name__)
 S = WorkerState
@@ -46,11 +46,11 @@ class LoadRefused(Exception):
 
 
 class LoadGate:
-    def __init__(self, supervisor: Supervisor, free_memory: FreeMemory = free_memory_bytes) -> None:
-        self.supervisor = supervisor
+    def __init__(self, pool: WorkerPool, free_memory: FreeMemory = free_memory_bytes) -> None:
+        self.pool = pool
         self.free_memory = free_memory
         self.unload: Unloader | None = None
-        limit = supervisor.registry.server.max_concurrent_loads
+        limit = pool.registry.server.max_concurrent_loads
         self._slots = asyncio.Semaphore(limit) if limit else None
         self._holding: set[str] = set()  # ids of the workers that hold a load slot
         self._group_locks: dict[str, asyncio.Lock] = {}
@@ -63,7 +63,7 @@ class LoadGate:
             await self._swap_out_peers(handle, model.exclusive_group)
         if self._slots is not None and handle.id not in self._holding:
             if self._slots.locked():
-                self.supervisor.set_state(handle, S.STARTING, "waiting for a free load slot")
+                self.pool.set_state(handle, S.STARTING, "waiting for a free load slot")
             await self._slots.acquire()
             self._holding.add(handle.id)
         if model.load == "on_demand" and handle.gpus:
@@ -86,12 +86,12 @@ class LoadGate:
     async def _download(self, handle: WorkerHandle) -> None:
         model = handle.model
         assert model.hub is not None
-        cache_dir = self.supervisor.registry.server.model_cache_dir
+        cache_dir = self.pool.registry.server.model_cache_dir
         assert cache_dir is not None  # parse_registry always sets it
         if hub.is_downloaded(model.path):
             return
         loop = asyncio.get_running_loop()
-        self.supervisor.set_state(handle, S.STARTING, f"downloading {model.hub}")
+        self.pool.set_state(handle, S.STARTING, f"downloading {model.hub}")
         logger.info("downloading %s into %s", model.hub, model.path)
 
         def progress(done: int, total: int, what: str) -> None:
@@ -115,7 +115,7 @@ class LoadGate:
             peers = sorted(
                 {
                     peer.model.name
-                    for peer in self.supervisor.workers.values()
+                    for peer in self.pool.workers.values()
                     if peer.model.exclusive_group == group
                     and peer.model.name != handle.model.name
                     and (peer.state in HOLDS_PROCESS or (peer.task is not None and not peer.task.done()))
@@ -124,7 +124,7 @@ class LoadGate:
             for name in peers:
                 if self.unload is None:
                     raise LoadRefused(f"cannot unload {name!r} of exclusive group {group!r}")
-                self.supervisor.set_state(handle, S.STARTING, f"unloading {name} (exclusive group {group})")
+                self.pool.set_state(handle, S.STARTING, f"unloading {name} (exclusive group {group})")
                 logger.info("exclusive group %s: unloading %s to load %s", group, name, handle.model.name)
                 why = f"model '{name}' was unloaded to load '{handle.model.name}' (exclusive group {group})"
                 await self.unload(name, why)

@@ -19,14 +19,14 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
+from gateway.link.handle import WorkerHandle
+from gateway.link.remote_keys import WorkerKey
 from gateway.observability.logging_setup import RateLimitedLog, bind_worker_log_context
-from gateway.workers.handle import WorkerHandle
-from gateway.workers.remote_keys import WorkerKey
 from wire import messages as wire
 from wire.states import WorkerState
 
 if TYPE_CHECKING:
-    from gateway.workers.supervisor import Supervisor
+    from gateway.workers.pool import RemotePool
 
 S = WorkerState
 
@@ -36,8 +36,8 @@ MAX_ASKED = 1024  # ids asked to reintroduce themselves, remembered (then the ol
 
 
 class RemoteMembers:
-    def __init__(self, supervisor: Supervisor) -> None:
-        self.supervisor = supervisor
+    def __init__(self, pool: RemotePool) -> None:
+        self.pool = pool
         self._asked: dict[str, float] = {}
         self._refusals = RateLimitedLog(logger, every_s=10.0)
 
@@ -52,17 +52,17 @@ class RemoteMembers:
             if len(self._asked) >= MAX_ASKED:
                 self._asked = dict(sorted(self._asked.items(), key=lambda item: item[1])[MAX_ASKED // 2 :])
             self._asked[worker_id] = now
-            self.supervisor.link.send(worker_id, wire.Reintroduce())
+            self.pool.link.send(worker_id, wire.Reintroduce())
 
     def _refuse(self, worker_id: str, key: WorkerKey, reason: str) -> None:
         # Limited per key: a key may flood Hellos, but not the log.
         self._refusals.warning("key %r: remote worker %r refused: %s", key.name, worker_id, reason)
-        self.supervisor.link.send(worker_id, wire.Shutdown(0.0))
+        self.pool.link.send(worker_id, wire.Shutdown(0.0))
 
     def join(self, worker_id: str, hello: wire.Hello, key: WorkerKey) -> WorkerHandle | None:
-        supervisor = self.supervisor
-        remote = supervisor.registry.server.remote_workers
-        model = supervisor.registry.model(worker_id.split("@", 1)[0])
+        pool = self.pool
+        remote = pool.registry.server.remote_workers
+        model = pool.registry.model(worker_id.split("@", 1)[0])
         if model is None or not model.remote or "@" not in worker_id:
             self._refuse(worker_id, key, "its id must be MODEL@NAME for a remote model")
             return None
@@ -72,7 +72,7 @@ class RemoteMembers:
         if hello.version != wire.PROTOCOL_VERSION:
             self._refuse(worker_id, key, f"protocol {hello.version} != {wire.PROTOCOL_VERSION}")
             return None
-        members = [h for h in supervisor.workers.values() if h.remote]
+        members = [h for h in pool.workers.values() if h.remote]
         if remote is not None and len(members) >= remote.max_workers:
             self._refuse(worker_id, key, f"max_workers={remote.max_workers} remote workers are known already")
             return None
@@ -83,10 +83,10 @@ class RemoteMembers:
             )
             return None
         handle = WorkerHandle(id=worker_id, model=model, remote=True, pid=hello.pid, key_name=key.name)
-        supervisor.link.bind_remote(worker_id, key)
+        pool.link.bind_remote(worker_id, key)
         handle.spawned_at = time.monotonic()
-        supervisor.workers[worker_id] = handle
-        supervisor.set_state(handle, S.STARTING, f"remote worker joined (pid {hello.pid})")
+        pool.workers[worker_id] = handle
+        pool.set_state(handle, S.STARTING, f"remote worker joined (pid {hello.pid})")
         handle.task = asyncio.get_running_loop().create_task(self._watch(handle), name=f"remote:{worker_id}")
         logger.info("remote worker %s joined for model %s", worker_id, model.name)
         return handle
@@ -96,7 +96,7 @@ class RemoteMembers:
         handle.pid = hello.pid
         handle.forget_process()
         handle.stale_rids.clear()
-        self.supervisor.set_state(handle, S.STARTING, "remote worker restarted")
+        self.pool.set_state(handle, S.STARTING, "remote worker restarted")
 
     def departed(self, handle: WorkerHandle, detail: str) -> None:
         """The worker's last frame before it exits: its requests end now, and it is lost until it
@@ -104,22 +104,22 @@ class RemoteMembers:
         if handle.state is S.LOST:
             return
         reason = f"remote worker {handle.id} exited ({detail or 'stopped'})"
-        self.supervisor.fail_requests(handle, reason)
+        self.pool.fail_requests(handle, reason)
         handle.last_error = reason
         handle.stale_rids = []
         # The goodbye itself is a frame: forget it, or the watch would take the worker for back.
-        self.supervisor.link.last_seen.pop(handle.id, None)
+        self.pool.link.last_seen.pop(handle.id, None)
         self._mark_lost(handle, reason)
         logger.info("remote worker %s left: %s", handle.id, detail)
 
     def _mark_lost(self, handle: WorkerHandle, reason: str) -> None:
         handle.lost_since = time.monotonic()
-        self.supervisor.set_state(handle, S.LOST, reason)
+        self.pool.set_state(handle, S.LOST, reason)
 
     async def _watch(self, handle: WorkerHandle) -> None:
         bind_worker_log_context(handle.id, handle.model.name)
-        server = self.supervisor.registry.server
-        link = self.supervisor.link
+        server = self.pool.registry.server
+        link = self.pool.link
         while True:
             await asyncio.sleep(min(server.heartbeat_interval_s, 0.5))
             silent_s = time.monotonic() - link.last_seen.get(handle.id, 0.0)
@@ -127,7 +127,7 @@ class RemoteMembers:
             lost_for = time.monotonic() - (handle.lost_since or time.monotonic())
             if handle.state is S.LOST and remote is not None and lost_for > remote.forget_lost_after_s:
                 logger.info("remote worker %s lost for %.0fs; forgetting it", handle.id, lost_for)
-                self.supervisor.forget_remote(handle)
+                self.pool.forget_remote(handle)
                 return
             # Loading blocks the worker's only thread (no heartbeats), so it gets the start deadline.
             starting = handle.state in (S.STARTING, S.LOADING, S.WARMING)
@@ -135,7 +135,7 @@ class RemoteMembers:
             if handle.state is not S.LOST and silent_s > limit:
                 handle.stale_rids = [job.rid for job in link.jobs_of(handle.id)]
                 reason = f"lost contact with remote worker {handle.id} (no frame for {silent_s:.0f}s)"
-                self.supervisor.fail_requests(handle, reason)
+                self.pool.fail_requests(handle, reason)
                 handle.last_error = reason
                 self._mark_lost(handle, reason)
             elif handle.state is S.LOST and silent_s < server.heartbeat_interval_s * 3:
@@ -145,4 +145,4 @@ class RemoteMembers:
                     "remote worker %s is back; cancelled %d stale job(s)", handle.id, len(handle.stale_rids)
                 )
                 handle.stale_rids = []
-                self.supervisor.set_state(handle, S.READY if handle.info else S.LOADING, "reconnected")
+                self.pool.set_state(handle, S.READY if handle.info else S.LOADING, "reconnected")

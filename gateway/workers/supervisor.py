@@ -4,9 +4,9 @@ Runs in the gateway process, on its asyncio loop. Owns one `WorkerHandle` per mo
 the child processes behind them. Death is seen four ways: the process exit (asyncio's child
 watcher), a missing frame for `heartbeat_timeout_s` (lost or hung), a missed start deadline, and
 jobs the worker says it holds with no step it reports for `wedge_timeout_s` (wedged; see
-gateway.workers.step_watch). When a worker goes, every request it held hears so at once, through
+gateway.link.step_watch). When a worker goes, every request it held hears so at once, through
 the link, from its owner. Idle unloads and retries of failed workers run in gateway.workers.upkeep.
-In cluster mode it also starts gateway.workers.cluster_members, which connects to the listening
+In cluster mode it also starts gateway.link.cluster_members, which connects to the listening
 workers of the membership (those join and leave like any remote worker), and, with etcd or
 Kubernetes, gateway.cluster.decisions, this gateway's part in electing the one that decides.
 """
@@ -27,14 +27,14 @@ from gateway.cluster.decisions import Decisions
 from gateway.config.api_keys import API_KEY_VARIABLES
 from gateway.config.registry import ModelConfig, Registry, worker_spec
 from gateway.errors import WorkerFailed
+from gateway.link.cluster_members import ClusterMembers
+from gateway.link.handle import WorkerHandle
+from gateway.link.remote_keys import WorkerKey
+from gateway.link.step_watch import StepWatch
+from gateway.link.worker_link import WorkerLink
 from gateway.observability.logging_setup import bind_worker_log_context, worker_log_context
-from gateway.serving.worker_link import WorkerLink
-from gateway.workers.cluster_members import ClusterMembers
-from gateway.workers.handle import WorkerHandle
 from gateway.workers.loads import LoadGate, LoadRefused
 from gateway.workers.remote import RemoteMembers
-from gateway.workers.remote_keys import WorkerKey
-from gateway.workers.step_watch import StepWatch
 from gateway.workers.upkeep import Upkeep
 from wire import messages as wire
 from wire.states import HOLDS_PROCESS, WorkerState

@@ -18,11 +18,11 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from gateway.workers.handle import WorkerHandle
+from gateway.link.handle import WorkerHandle
 from wire.states import WorkerState
 
 if TYPE_CHECKING:
-    from gateway.workers.supervisor import Supervisor
+    from gateway.workers.pool import UpkeepPool
 
 logger = logging.getLogger(__name__)
 S = WorkerState
@@ -30,8 +30,8 @@ TICK_S = 0.5
 
 
 class Upkeep:
-    def __init__(self, supervisor: Supervisor) -> None:
-        self.supervisor = supervisor
+    def __init__(self, pool: UpkeepPool) -> None:
+        self.pool = pool
         self._retiring: set[asyncio.Task[None]] = set()
 
     async def run_forever(self) -> None:
@@ -39,7 +39,7 @@ class Upkeep:
             while True:
                 await asyncio.sleep(TICK_S)
                 now = time.monotonic()
-                for handle in list(self.supervisor.workers.values()):
+                for handle in list(self.pool.workers.values()):
                     if self._idle_too_long(handle, now):
                         self._unload(handle, now)
                     elif self._failed_long_enough(handle, now):
@@ -55,14 +55,14 @@ class Upkeep:
         return bool(idle_s and handle.ready and not handle.in_flight and now - handle.last_used >= idle_s)
 
     def _failed_long_enough(self, handle: WorkerHandle, now: float) -> bool:
-        retry_s = self.supervisor.registry.server.retry_failed_after_s
+        retry_s = self.pool.registry.server.retry_failed_after_s
         if not retry_s or handle.state is not S.FAILED or handle.remote or handle.retiring:
             return False
         return now - handle.state_since >= retry_s and (handle.task is None or handle.task.done())
 
     def _unload(self, handle: WorkerHandle, now: float) -> None:
         logger.info("worker %s idle for %.0fs; unloading", handle.id, now - handle.last_used)
-        task = asyncio.create_task(self.supervisor.retire(handle, 0.0))
+        task = asyncio.create_task(self.pool.retire(handle, 0.0))
         self._retiring.add(task)
         task.add_done_callback(self._retiring.discard)
 
@@ -71,8 +71,8 @@ class Upkeep:
         if handle.model.load == "on_demand":
             logger.warning("worker %s failed %.0fs ago; its next request loads it", handle.id, failed_for)
             detail = f"loads at its next request (failed: {handle.detail})"
-            self.supervisor.set_state(handle, S.UNLOADED, detail)
+            self.pool.set_state(handle, S.UNLOADED, detail)
             return
         logger.warning("worker %s failed %.0fs ago; trying again", handle.id, failed_for)
         handle.restarts += 1
-        self.supervisor.launch(handle)
+        self.pool.launch(handle)

@@ -16,8 +16,8 @@ import pytest
 
 from gateway.config.registry import ModelConfig, Registry
 from gateway.http.health_routes import gateway_ready
+from gateway.link.handle import WorkerHandle
 from gateway.serving.router import ModelRoute
-from gateway.workers.handle import WorkerHandle
 from gateway.workers.loads import LoadGate, LoadRefused
 from tests.harness import REPO_ROOT, async_wait_until, settle
 from wire.states import WorkerState

@@ -20,6 +20,8 @@ import zmq.asyncio
 
 from gateway.config.registry import ModelConfig, ModelLimits
 from gateway.errors import APIError, InvalidRequest, RequestTimeout, ServiceUnavailable, WorkerFailed
+from gateway.link.handle import WorkerHandle
+from gateway.link.worker_link import WorkerLink
 from gateway.observability.metrics import GatewayMetrics, RequestRecorder
 from gateway.reasoning.parsers import parser_named
 from gateway.reasoning.plan import ReasoningPlan
@@ -28,8 +30,6 @@ from gateway.serving.outputs import ChoiceInput
 from gateway.serving.request_owner import KEEPALIVE, RequestOwner
 from gateway.serving.router import ModelRoute
 from gateway.serving.service import GenerationService
-from gateway.serving.worker_link import WorkerLink
-from gateway.workers.handle import WorkerHandle
 from tests.harness import async_wait_until
 from wire import messages as wire
 from wire.params import ChatMessage, ChatOptions, SamplingParams
@@ -137,7 +137,7 @@ async def rig(tmp_path: Path, ready: tuple[str, ...] = ("w0",), **service: float
     generation = GenerationService(link, service.get("keepalive_s", 15.0), service.get("stall_s", 30.0))
     generation.start()
     try:
-        yield Rig(link, ModelRoute(config, handles, lambda h: None), generation, peers, GatewayMetrics(None))  # type: ignore[arg-type]
+        yield Rig(link, ModelRoute(config, handles, lambda h: None), generation, peers, GatewayMetrics())
     finally:
         await generation.stop()
         for peer in peers.values():

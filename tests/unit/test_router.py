@@ -15,8 +15,8 @@ import pytest
 
 from gateway.config.registry import ModelConfig, ModelLimits, Registry
 from gateway.errors import InvalidRequest, ModelNotFound, QueueFull, RequestTimeout, ServiceUnavailable
+from gateway.link.handle import WorkerHandle
 from gateway.serving.router import AdmissionStopped, ModelRoute, ReplicasExhausted, Router
-from gateway.workers.handle import WorkerHandle
 from tests.harness import async_wait_until, settle
 from wire.states import WorkerState
 

@@ -1,8 +1,8 @@
-"""The wedge watchdog's judgement (gateway.workers.step_watch): held jobs and reported steps only."""
+"""The wedge watchdog's judgement (gateway.link.step_watch): held jobs and reported steps only."""
 
 from __future__ import annotations
 
-from gateway.workers.step_watch import StepWatch
+from gateway.link.step_watch import StepWatch
 from wire.stats import EngineStats
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from gateway.config.registry import ModelConfig
-from gateway.workers.handle import WorkerHandle
+from gateway.link.handle import WorkerHandle
 from model_worker.jobs import JobDesk
 from model_worker.prompt_desk import PreparedJob
 from wire import messages as wire

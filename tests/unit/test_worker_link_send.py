@@ -11,7 +11,7 @@ from pathlib import Path
 
 import zmq
 
-from gateway.serving.worker_link import WorkerLink
+from gateway.link.worker_link import WorkerLink
 
 
 def test_send_frame_is_false_for_a_worker_that_is_not_connected(tmp_path: Path) -> None:

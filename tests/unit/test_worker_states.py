@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from gateway.config.registry import ModelConfig
-from gateway.workers.handle import WorkerHandle
+from gateway.link.handle import WorkerHandle
 from wire.states import (
     MAY_SERVE,
     TRANSITIONS,
@@ -97,7 +97,7 @@ def test_model_state_is_its_best_replica() -> None:
 def test_handle_refuses_and_logs_a_forbidden_change(caplog: pytest.LogCaptureFixture) -> None:
     handle = WorkerHandle("m#0", ModelConfig(name="m", engine="transformers", path=Path("x")))
     assert handle.move_to(S.LOADING, "loading") and handle.state is S.LOADING
-    with caplog.at_level(logging.ERROR, logger="gateway.workers.handle"):
+    with caplog.at_level(logging.ERROR, logger="gateway.link.handle"):
         assert not handle.move_to(S.READY, "skipping warm-up")
     assert handle.state is S.LOADING
     assert "invalid worker state transition loading -> ready" in caplog.text

@@ -2,7 +2,7 @@
 
 Runs in the gateway process, on its asyncio loop. Owns the sockets (ipc:// in a private 0700
 directory; optionally tcp:// with CURVE for remote workers, and in cluster mode the socket that
-connects out to listening workers, gateway.serving.worker_dialer), the reader tasks that decode each
+connects out to listening workers, gateway.link.worker_dialer), the reader tasks that decode each
 worker frame once, and the tables that route a frame to whoever waits for it: engine jobs (each
 the `JobReceiver` of one choice of one request) and one-shot exchanges (tokenize, detokenize, embed).
 Lifecycle frames (Hello, Status, Ready, Heartbeat, Fatal) go to the supervisor through a callback.
@@ -33,10 +33,10 @@ from gateway.cluster.membership import WorkerRecord
 from gateway.cluster.settings import ClusterConfig
 from gateway.config.registry import ConfigError, RemoteWorkersConfig
 from gateway.errors import APIError, InvalidRequest
+from gateway.link.listener_cap import ListenerCap
+from gateway.link.remote_keys import AuthorizedKeys, WorkerKey, key_label
+from gateway.link.worker_dialer import WorkerDialer, load_cluster_keys
 from gateway.observability.logging_setup import RateLimitedLog
-from gateway.serving.listener_cap import ListenerCap
-from gateway.serving.worker_dialer import WorkerDialer, load_cluster_keys
-from gateway.workers.remote_keys import AuthorizedKeys, WorkerKey, key_label
 from wire import messages as wire
 from wire.codec import ENCODE_ERRORS, MAX_SOCKET_MESSAGE_BYTES, ProtocolError
 from wire.results import JobOutput

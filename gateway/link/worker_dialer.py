@@ -1,6 +1,6 @@
 """The gateway's connections out to listening workers (cluster mode): one ROUTER socket, CURVE client.
 
-Runs in the gateway process, on its asyncio loop (the link, gateway.serving.worker_link, reads and
+Runs in the gateway process, on its asyncio loop (the link, gateway.link.worker_link, reads and
 writes the socket; this module connects and disconnects it). Owns the socket, the gateway's routing
 id on it, and which worker each connection reaches. Each worker is connected with its worker id as
 the connection's routing id (ZMQ_CONNECT_ROUTING_ID), so frames to and from it are addressed by
@@ -23,7 +23,7 @@ import zmq.auth
 from gateway.cluster.membership import WorkerRecord
 from gateway.cluster.settings import ClusterConfig
 from gateway.config.registry import ConfigError
-from gateway.workers.remote_keys import WorkerKey
+from gateway.link.remote_keys import WorkerKey
 from wire.codec import MAX_SOCKET_MESSAGE_BYTES
 
 logger = logging.getLogger(__name__)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.config.registry import ModelConfig
-from gateway.workers.step_watch import StepWatch
+from gateway.link.step_watch import StepWatch
 from wire import messages as wire
 from wire.codec import as_dict
 from wire.states import InvalidTransition, WorkerState, check_transition
