@@ -18,8 +18,9 @@ at its next call, which is fatal for the worker, so the gateway's liveness check
 
 The socket is a DEALER connected to one gateway, or (`model-worker --listen`) a ROUTER that several
 gateways connect to: then model_worker.gateway_peers says which gateway each frame goes to, and a
-gateway that is gone (silent, unroutable, or unresponsive for the patience) loses its jobs, which are
-cancelled through the prompt thread like any Cancel, while the worker serves the others.
+gateway that is gone (silent, unroutable, unresponsive for the patience, or too far behind) loses its
+jobs, which are cancelled through the prompt thread like any Cancel, while the worker serves the
+others; one that stops reading holds up only its own frames (model_worker.outbox).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 import zmq
 
+from model_worker.outbox import Outbox, PeerUnresponsive
 from wire import messages as wire
 from wire.codec import ProtocolError
 
@@ -49,10 +51,6 @@ logger = logging.getLogger(__name__)
 MAX_OUTBOUND = 4096
 _WAKE = object()  # an inbound item that only wakes the engine thread (a stop was requested)
 _STOP = object()  # the prompt thread's last item
-
-
-class PeerUnresponsive(RuntimeError):
-    """The gateway has not taken a frame for the whole patience: nothing more can be sent."""
 
 
 class _LinkFailed:
@@ -71,15 +69,14 @@ class LinkThread:
         self._peers = peers  # a listening worker's gateways; None: one gateway, over a DEALER
         self._forward = forward  # the message types the engine thread takes as they are
         self.patience_s = patience_s
-        self.waits = 0  # how often a frame found the queue to the gateway full (a pause, never a loss)
+        self._handover_waits = 0  # how often the engine found the hand-over queue full
         self.failure: BaseException | None = None
         self._inbound: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._to_prepare: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._outbound: queue.Queue[wire.Message] = queue.Queue(MAX_OUTBOUND)
         self._replies: collections.deque[wire.Message] = collections.deque()  # the prompt thread's
-        # Encoded frames (with their gateway's id when listening) ZeroMQ has not taken yet, in order.
-        self._pending: collections.deque[tuple[bytes | None, bytes]] = collections.deque()
-        self._pending_since = 0.0
+        # Encoded frames ZeroMQ has not taken yet, in order for each gateway.
+        self._outbox = Outbox(sock, patience_s)
         self._desk: PromptDesk | None = None
         self._desk_set = threading.Event()  # the prompt thread waits for it (a listener reads early)
         self._stopping = False
@@ -156,6 +153,11 @@ class LinkThread:
         """Ends a take() that waits; safe in a signal handler (SimpleQueue.put is reentrant)."""
         self._inbound.put(_WAKE)
 
+    @property
+    def waits(self) -> int:
+        """How often a frame found a queue to the gateway full: a pause, never a loss."""
+        return self._handover_waits + self._outbox.waits
+
     def check(self) -> None:
         if self.failure is not None:
             raise self.failure
@@ -182,8 +184,8 @@ class LinkThread:
         return True
 
     def _wait_for_room(self, message: wire.Message) -> None:
-        self.waits += 1
-        if self.waits == 1 or self.waits % 100 == 0:
+        self._handover_waits += 1
+        if self._handover_waits == 1 or self._handover_waits % 100 == 0:
             logger.warning("send queue to the gateway is full; waiting for it (%d times so far)", self.waits)
         deadline = time.monotonic() + self.patience_s
         while (left := deadline - time.monotonic()) > 0:
@@ -218,7 +220,7 @@ class LinkThread:
         while True:
             # A listener reads at once: gateways that connect while it loads are told so (and ping).
             reading = self._desk is not None or self._peers is not None
-            wanted = (zmq.POLLIN if reading else 0) | (zmq.POLLOUT if self._pending else 0)
+            wanted = (zmq.POLLIN if reading else 0) | (zmq.POLLOUT if self._outbox else 0)
             if wanted != watched:
                 if wanted:
                     poller.register(self._sock, wanted)
@@ -226,7 +228,7 @@ class LinkThread:
                     poller.unregister(self._sock)
                 watched = wanted
             # A frame waiting for room is retried at least every 100 ms, to judge the patience.
-            events = dict(poller.poll(100 if self._pending else 1000))
+            events = dict(poller.poll(100 if self._outbox else 1000))
             if self._bell_read in events:
                 self._clear_bell()
             if events.get(self._sock, 0) & zmq.POLLIN:
@@ -234,7 +236,7 @@ class LinkThread:
             if self._peers is not None:
                 self._cancel(self._peers.expire(time.monotonic()))
             self._flush()
-            if self._stopping and not self._pending and not self._replies and self._outbound.empty():
+            if self._stopping and not self._outbox and not self._replies and self._outbound.empty():
                 return
 
     def _clear_bell(self) -> None:
@@ -261,7 +263,8 @@ class LinkThread:
                     logger.warning("dropped a message of %d frames", len(frames))
                     continue
                 forward, replies, cancels = self._peers.on_frame(frames[0], message, time.monotonic())
-                self._pending.extend((peer, wire.encode(reply)) for peer, reply in replies)
+                for peer, reply in replies:
+                    self._outbox.add(peer, wire.encode(reply))
                 self._cancel(cancels)
                 if not forward:
                     continue
@@ -303,41 +306,17 @@ class LinkThread:
         self._ring()
 
     def _flush(self) -> None:
-        """Hand every queued frame to ZeroMQ, in order, until its queue is full."""
+        """Hand every queued frame to ZeroMQ, each gateway's in order, until its queue is full."""
         while True:
-            if not self._pending:
-                message = self._next_message()
-                if message is None:
-                    return
-                self._pending.extend(self._encode(message))
-                self._pending_since = 0.0
-                continue
-            peer, frame = self._pending[0]
-            try:
-                if peer is None:
-                    self._sock.send(frame, zmq.NOBLOCK)
-                else:
-                    self._sock.send_multipart([peer, frame], zmq.NOBLOCK)
-            except zmq.Again:
-                now = time.monotonic()
-                if not self._pending_since:
-                    self._pending_since = now
-                    self.waits += 1
-                elif now - self._pending_since > self.patience_s:
-                    if peer is None:
-                        raise PeerUnresponsive(
-                            f"the gateway took no frame for {self.patience_s:g}s"
-                        ) from None
-                    self._lose(peer, f"it took no frame for {self.patience_s:g}s")
-                    continue
+            for gone, why in self._outbox.push():
+                self._lose(gone, why)
+            if self._outbox.stalled():
                 return
-            except zmq.ZMQError as exc:
-                if peer is None or exc.errno != zmq.EHOSTUNREACH:
-                    raise
-                self._lose(peer, "its connection is gone")  # killed, or its host cut off
-                continue
-            self._pending.popleft()
-            self._pending_since = 0.0
+            message = self._next_message()
+            if message is None:
+                return
+            for target, frame in self._encode(message):
+                self._outbox.add(target, frame)
 
     def _encode(self, message: wire.Message) -> list[tuple[bytes | None, bytes]]:
         if self._peers is None:
@@ -348,8 +327,7 @@ class LinkThread:
         """A listening worker's gateway is gone: its frames are dropped and its jobs cancelled."""
         assert self._peers is not None
         self._cancel(self._peers.drop(peer, why))
-        self._pending = collections.deque(item for item in self._pending if item[0] != peer)
-        self._pending_since = 0.0
+        self._outbox.drop(peer)
 
     def _next_message(self) -> wire.Message | None:
         if self._replies:
@@ -363,12 +341,9 @@ class LinkThread:
         """On the engine thread, once the link thread has ended: what can go out without waiting."""
         try:
             while (message := self._next_message()) is not None:
-                self._pending.extend(self._encode(message))
-            while self._pending:
-                peer, frame = self._pending.popleft()
-                if peer is None:
-                    self._sock.send(frame, zmq.NOBLOCK)
-                else:
-                    self._sock.send_multipart([peer, frame], zmq.NOBLOCK)
-        except (zmq.ZMQError, ValueError, TypeError):  # a full queue, or the frame that failed here
+                for peer, frame in self._encode(message):
+                    self._outbox.add(peer, frame)
+        except (ValueError, TypeError):  # a message that cannot be encoded: the rest still goes
+            logger.warning("a last frame to the gateway could not be encoded")
+        if not self._outbox.send_leftovers():
             logger.warning("the last frames to the gateway could not be sent")

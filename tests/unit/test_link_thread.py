@@ -22,7 +22,8 @@ from tests.harness import wait_until
 from wire import messages as wire
 from wire.params import SamplingParams, WorkerSpec
 from wire.results import RejectCode
-from wire.stats import EngineInfo
+from wire.states import WorkerState
+from wire.stats import EngineInfo, EngineStats
 
 FORWARD = frozenset({wire.Cancel, wire.Shutdown})
 
@@ -136,3 +137,55 @@ def test_frames_the_engine_thread_does_not_take_are_dropped(
     assert taken == [wire.Shutdown(1.0)]
     assert "dropped a bad frame" in caplog.text and "dropped an unexpected Tokens frame" in caplog.text
     assert link.close(flush_s=5.0)
+
+
+def test_a_listening_worker_keeps_serving_one_gateway_while_another_stops_reading(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two gateways on a listening worker's ROUTER; `stuck` never reads. Every frame still reaches
+    `reader` (it does not wait behind `stuck`'s full queue for the 60 s patience): `stuck`, once too
+    far behind and taking nothing, is lost; `reader`, as far behind in the burst but reading, is not."""
+    from model_worker import outbox
+    from model_worker.gateway_peers import GatewayPeers
+
+    monkeypatch.setattr(outbox, "MAX_BACKLOG", 100)
+    monkeypatch.setattr(outbox, "STUCK_S", 0.5)
+    ctx = zmq.Context()
+    worker = ctx.socket(zmq.ROUTER)
+    worker.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    worker.setsockopt(zmq.SNDHWM, 1)
+    worker.setsockopt(zmq.SNDBUF, 4096)
+    worker.setsockopt(zmq.LINGER, 0)
+    endpoint = f"ipc://{tmp_path}/w"
+    worker.bind(endpoint)
+    gateways = {}
+    for name in (b"reader", b"stuck"):
+        gateway = gateways[name] = ctx.socket(zmq.DEALER)
+        gateway.setsockopt(zmq.IDENTITY, name)
+        gateway.setsockopt(zmq.RCVHWM, 1)
+        gateway.setsockopt(zmq.RCVBUF, 4096)
+        gateway.setsockopt(zmq.LINGER, 0)
+        gateway.connect(endpoint)
+    peers = GatewayPeers(timeout_s=60.0)
+    link = LinkThread(worker, patience_s=60.0, forward=FORWARD, peers=peers)
+    link.start()
+    try:
+        for gateway in gateways.values():
+            gateway.send(wire.encode(wire.Ping()))
+        wait_until(lambda: len(peers) == 2, "both gateways to be known")
+        count = 400  # far more than the buffers to `stuck` hold, and past its backlog's bound
+        stats = EngineStats(active_jobs=1)
+        for _ in range(count):
+            link.send(wire.Heartbeat(WorkerState.READY, stats))
+        reader, beats = gateways[b"reader"], 0
+        while beats < count:  # every one, in well under the patience
+            assert reader.poll(10_000), f"{beats} of {count} heartbeats reached the reading gateway"
+            beats += isinstance(wire.decode(reader.recv()), wire.Heartbeat)
+        assert len(peers) == 1, "the gateway that reads nothing is lost, the other is not"
+        assert "gateway stuck is gone (it fell 100 frames behind and took none for 0.5s)" in caplog.text
+    finally:
+        link.close(flush_s=1.0)
+        for gateway in gateways.values():
+            gateway.close(0)
+        worker.close(0)
+        ctx.term()
