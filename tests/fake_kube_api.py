@@ -12,6 +12,13 @@ a free loopback port. It serves, with the JSON shapes a real API server sends:
 The test changes the world through `apply_slice` / `delete_slice`, drops watch connections,
 forgets history (`compact`) or makes every request fail with 503 (`down`); `requests` records
 what was asked, with the status answered.
+
+Like a real API server it may ask for credentials and speak TLS: given a `token`, a request without
+`Authorization: Bearer TOKEN` is answered 401 Unauthorized; given a certificate and its key
+(`self_signed_certificate` makes them with the openssl command), it serves https. Then a client
+finds it the way a pod's does: a kubeconfig (`kubeconfig`) naming the server, the CA and a token
+file. `FakeKubeApiThread` runs it on an event loop of its own, for tests whose gateways are
+separate processes and which wait synchronously (tests.harness.wait_until).
 """
 
 from __future__ import annotations
@@ -19,17 +26,23 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
+import shutil
+import socket
+import subprocess
+import threading
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import Any, TypeVar
 
 from hypercorn.asyncio import serve
 from hypercorn.config import Config
 from quart import Quart, Response, request
 
-from tests.harness import free_port
+from tests.harness import free_port, wait_until
 
+T = TypeVar("T")
 SLICES = "/apis/discovery.k8s.io/v1/namespaces/<namespace>/endpointslices"
 LEASES = "/apis/coordination.k8s.io/v1/namespaces/<namespace>/leases"
 
@@ -99,9 +112,13 @@ def endpoint_slice(
 
 
 class FakeKubeApi:
-    def __init__(self) -> None:
+    def __init__(self, *, token: str | None = None, tls: tuple[Path, Path] | None = None) -> None:
+        """`token`: the bearer token every request must carry; `tls`: (certificate, key) to serve
+        https with."""
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"{'https' if tls else 'http'}://127.0.0.1:{self.port}"
+        self.token = token
+        self.tls = tls
         self.version = 1000
         self.objects: dict[tuple[str, str], dict[str, Any]] = {}  # (kind, name) -> object
         self.history: list[Event] = []
@@ -121,6 +138,8 @@ class FakeKubeApi:
         config.graceful_timeout = 0.5
         config.accesslog = None
         config.errorlog = None
+        if self.tls is not None:
+            config.certfile, config.keyfile = (str(path) for path in self.tls)
         self._server = asyncio.create_task(serve(self.app, config, shutdown_trigger=self._stop.wait))
 
     async def close(self) -> None:
@@ -182,6 +201,8 @@ class FakeKubeApi:
         async def refuse_while_down() -> Any:
             if self.down:
                 return status(503, "ServiceUnavailable", "the API server is down"), 503
+            if self.token is not None and request.headers.get("Authorization") != f"Bearer {self.token}":
+                return status(401, "Unauthorized", "Unauthorized"), 401
             return None
 
         @app.after_request
@@ -308,3 +329,72 @@ def _selects(selector: dict[str, str | None], obj: dict[str, Any]) -> bool:
     return all(
         key in labels if value is None else labels.get(key) == value for key, value in selector.items()
     )
+
+
+class FakeKubeApiThread:
+    """A FakeKubeApi on an event loop of its own thread. Everything the test does to it goes
+    through `call`, which runs on that loop: the store and the watch queues are not thread-safe."""
+
+    def __init__(self, **options: Any) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="fake-kube-api", daemon=True)
+        self._thread.start()
+        self.api = self.call(lambda: FakeKubeApi(**options))
+        self.url = self.api.url
+        asyncio.run_coroutine_threadsafe(self.api.start(), self._loop).result(10)
+        wait_until(self._accepts, "the fake API server to listen", 10)
+
+    def _accepts(self) -> bool:
+        try:
+            socket.create_connection(("127.0.0.1", self.api.port), timeout=1).close()
+        except OSError:
+            return False
+        return True
+
+    def call(self, function: Callable[[], T]) -> T:
+        async def run() -> T:
+            return function()
+
+        return asyncio.run_coroutine_threadsafe(run(), self._loop).result(10)
+
+    def close(self) -> None:
+        try:
+            asyncio.run_coroutine_threadsafe(self.api.close(), self._loop).result(10)
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(10)
+            self._loop.close()
+
+
+def self_signed_certificate(folder: Path) -> tuple[Path, Path] | None:
+    """A certificate for 127.0.0.1 that is its own CA, and its key; None without the openssl
+    command (then the fake serves plain http)."""
+    if shutil.which("openssl") is None:
+        return None
+    certificate, key = folder / "api-server.crt", folder / "api-server.key"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes",
+         "-keyout", str(key), "-out", str(certificate), "-days", "2", "-subj", "/CN=fake-kube-api",
+         "-addext", "subjectAltName=IP:127.0.0.1"],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    return certificate, key
+
+
+def kubeconfig(path: Path, server: str, namespace: str, *, token_file: Path, ca_file: Path | None) -> Path:
+    """A kubeconfig as a pod's service account amounts to: the server, its CA, a token file."""
+    import yaml
+
+    cluster: dict[str, Any] = {"server": server}
+    if ca_file is not None:
+        cluster["certificate-authority"] = str(ca_file)
+    path.write_text(
+        yaml.safe_dump({
+            "apiVersion": "v1", "kind": "Config", "current-context": "fake",
+            "clusters": [{"name": "fake", "cluster": cluster}],
+            "users": [{"name": "gateway", "user": {"tokenFile": str(token_file)}}],
+            "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "gateway",
+                                                       "namespace": namespace}}],
+        })
+    )  # fmt: skip
+    return path
