@@ -47,6 +47,7 @@ _ORDINAL = re.compile(r"-(\d+)$")
 
 
 def api_client(settings: KubernetesSettings) -> AsyncClient:
+    _quiet_request_log()
     if settings.api_server is not None:  # e.g. `kubectl proxy`, which adds the credentials itself
         config = KubeConfig.from_one(
             cluster=Cluster(server=settings.api_server), user=User(), namespace=settings.namespace
@@ -56,6 +57,15 @@ def api_client(settings: KubernetesSettings) -> AsyncClient:
     return AsyncClient(
         config, namespace=settings.namespace, timeout=httpx2.Timeout(settings.request_timeout_s)
     )
+
+
+def _quiet_request_log() -> None:
+    """httpx2 (lightkube's transport) logs every request at INFO: with the Lease read every
+    retry_period_s by every gateway, that is a line or two every few seconds for the gateway's
+    life. Shown at DEBUG only; its warnings stay."""
+    request_log = logging.getLogger("httpx2")
+    if request_log.level == logging.NOTSET and not request_log.isEnabledFor(logging.DEBUG):
+        request_log.setLevel(logging.WARNING)
 
 
 def is_gone(exc: BaseException) -> bool:
