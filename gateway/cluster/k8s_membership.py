@@ -29,8 +29,9 @@ from typing import Any
 
 import httpx2
 from lightkube import AsyncClient, KubeConfig
+from lightkube.config.kubeconfig import SERVICE_ACCOUNT
 from lightkube.config.models import Cluster, User
-from lightkube.core.exceptions import ApiError
+from lightkube.core.exceptions import ApiError, ConfigError
 from lightkube.resources.discovery_v1 import EndpointSlice
 
 from gateway.cluster.membership import MembershipChange, MemberTable, WorkerRecord, cancel_and_wait
@@ -53,10 +54,22 @@ def api_client(settings: KubernetesSettings) -> AsyncClient:
             cluster=Cluster(server=settings.api_server), user=User(), namespace=settings.namespace
         )
     else:
-        config = KubeConfig.from_env()  # the pod's service account, else ~/.kube/config
+        try:
+            config = KubeConfig.from_env()  # the pod's service account, else $KUBECONFIG or ~/.kube/config
+        except ConfigError as exc:
+            # lightkube names only the last place it looked; say where else, and what to set.
+            raise KubernetesCredentialsError(
+                "backend kubernetes found no credentials for the API server: not in a pod (no service "
+                f"account at {SERVICE_ACCOUNT}) and {exc}; run in a pod with a service account, set "
+                "$KUBECONFIG, or set server.cluster.kubernetes.api_server (e.g. kubectl proxy's URL)"
+            ) from None
     return AsyncClient(
         config, namespace=settings.namespace, timeout=httpx2.Timeout(settings.request_timeout_s)
     )
+
+
+class KubernetesCredentialsError(Exception):
+    """The gateway cannot tell where the API server is or how to authenticate to it."""
 
 
 def _quiet_request_log() -> None:
