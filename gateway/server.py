@@ -13,6 +13,7 @@ import signal
 import time
 
 from hypercorn.asyncio import serve
+from hypercorn.utils import LifespanFailureError
 
 from gateway.config.registry import ConfigError, Registry
 from gateway.core import Gateway
@@ -95,4 +96,11 @@ async def run_server(registry: Registry, host: str, port: int) -> None:
         await _drain(gateway, registry.server.shutdown_grace_s)
 
     logger.info("listening on http://%s:%d", host, port)
-    await serve(app, config, shutdown_trigger=shutdown_trigger)
+    try:
+        await serve(app, config, shutdown_trigger=shutdown_trigger)
+    except LifespanFailureError:
+        startup_error = app.extensions.get("startup_error")
+        if startup_error is None:
+            raise
+        # The CLI prints it as a config error (exit 2), with no traceback.
+        raise ConfigError(f"{registry.source}: {startup_error}") from None

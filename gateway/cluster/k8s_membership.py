@@ -31,11 +31,13 @@ import httpx2
 from lightkube import AsyncClient, KubeConfig
 from lightkube.config.kubeconfig import SERVICE_ACCOUNT
 from lightkube.config.models import Cluster, User
-from lightkube.core.exceptions import ApiError, ConfigError
+from lightkube.core.exceptions import ApiError
+from lightkube.core.exceptions import ConfigError as LightkubeConfigError
 from lightkube.resources.discovery_v1 import EndpointSlice
 
 from gateway.cluster.membership import MembershipChange, MemberTable, WorkerRecord, cancel_and_wait
 from gateway.cluster.settings import KubernetesSettings
+from gateway.config.registry import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +58,7 @@ def api_client(settings: KubernetesSettings) -> AsyncClient:
     else:
         try:
             config = KubeConfig.from_env()  # the pod's service account, else $KUBECONFIG or ~/.kube/config
-        except ConfigError as exc:
+        except LightkubeConfigError as exc:
             # lightkube names only the last place it looked; say where else, and what to set.
             raise KubernetesCredentialsError(
                 "backend kubernetes found no credentials for the API server: not in a pod (no service "
@@ -68,7 +70,7 @@ def api_client(settings: KubernetesSettings) -> AsyncClient:
     )
 
 
-class KubernetesCredentialsError(Exception):
+class KubernetesCredentialsError(ConfigError):
     """The gateway cannot tell where the API server is or how to authenticate to it."""
 
 

@@ -22,7 +22,7 @@ from quart_schema.openapi import Info
 from werkzeug.exceptions import HTTPException
 
 from gateway.cluster.counters import KeyCounters
-from gateway.config.registry import Registry
+from gateway.config.registry import ConfigError, Registry
 from gateway.core import Gateway
 from gateway.errors import APIError, InvalidRequest, error_body
 from gateway.http import (
@@ -86,8 +86,18 @@ def _is_union_tag(part: object) -> bool:
     return isinstance(part, str) and (part in ("str", "int", "float", "bool") or "[" in part)
 
 
+class GatewayApp(Quart):
+    def log_exception(self, exception_info: Any) -> None:
+        """A config error found while starting (no credentials for a cluster backend, say) is the
+        operator's to fix: gateway.server prints it once as `config error:`, with no traceback."""
+        if isinstance(exception_info[1], ConfigError):
+            logger.debug("startup stopped by a config error", exc_info=exception_info)
+            return
+        super().log_exception(exception_info)
+
+
 def create_app(registry: Registry) -> Quart:
-    app = Quart(__name__, static_folder=None)  # no implicit /static route: pages are served by routes
+    app = GatewayApp(__name__, static_folder=None)  # no implicit /static route: pages are served by routes
     app.request_class = JsonRequest  # bodies parsed once, with what JSON allows but we cannot pass on refused
     app.config["MAX_CONTENT_LENGTH"] = registry.server.max_body_bytes
     app.config["RESPONSE_TIMEOUT"] = None  # streams may legitimately run for many minutes
@@ -129,11 +139,16 @@ def create_app(registry: Registry) -> Quart:
     @app.before_serving
     async def start_gateway() -> None:
         tracing.start()  # only when the OTEL_* variables ask for it (its workers read the same ones)
-        await counters.start()
-        await gateway.link.start()
-        gateway.service.start()
-        gateway.supervisor.start()
-        await gateway.supervisor.start_cluster()
+        try:
+            await counters.start()
+            await gateway.link.start()
+            gateway.service.start()
+            gateway.supervisor.start()
+            await gateway.supervisor.start_cluster()
+        except ConfigError as exc:
+            # Hypercorn wraps it in a LifespanFailureError; gateway.server says it as a config error.
+            app.extensions["startup_error"] = exc
+            raise
         logger.info("gateway serving %d model(s); workers on %s", len(registry.models), gateway.link.endpoint)
 
     @app.after_serving

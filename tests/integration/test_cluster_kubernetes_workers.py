@@ -15,6 +15,7 @@ with the StatefulSet's `--worker-id MODEL@POD`. Every wait is on an event.
 
 from __future__ import annotations
 
+import os
 import secrets
 import signal
 import socket
@@ -327,3 +328,17 @@ def test_one_gateway_leads_on_the_lease_retires_once_and_a_survivor_takes_over(
         lease = cluster.lease()["spec"]
         assert lease["holderIdentity"] == follower_id and lease["leaseTransitions"] == 1
     _assert_quiet([leader, follower])
+
+
+def test_a_gateway_with_no_credentials_stops_with_a_config_error(cluster: KubernetesCluster) -> None:
+    """Outside a pod, with no $KUBECONFIG and no ~/.kube/config: one `config error:` line naming the
+    file and what to set, exit 2, no traceback (not a failed ASGI startup)."""
+    env = {k: v for k, v in os.environ.items() if k != "KUBECONFIG"}
+    env["HOME"] = str(cluster.root)  # no ~/.kube/config there
+    config, port = str(cluster.config), str(free_port())
+    serve = [sys.executable, "-m", "gateway", "serve", "--config", config, "--port", port]
+    done = subprocess.run(serve, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert f"config error: {cluster.config}: backend kubernetes found no credentials" in done.stderr
+    assert "server.cluster.kubernetes.api_server" in done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
