@@ -86,6 +86,7 @@ def remote_spec(config: str | Path, model: str) -> WorkerSpec:
         ),
         env={str(k): str(v) for k, v in (entry.get("env") or {}).items()},
         task=str(entry.get("task", "generate")),
+        standby=entry.get("load") == "on_demand",
         **_constraint_budgets(entry),
         **_capacity(entry, f"{source}: model {name!r}"),
     )

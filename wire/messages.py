@@ -6,7 +6,8 @@ all. Requests carry a `rid`
 (one engine job, or one tokenize exchange); a worker answers Generate with Accepted or Rejected
 before any Step mentions the job, so the gateway can answer an HTTP error before a stream opens.
 
-gateway -> worker: Generate, Cancel, Tokenize, Detokenize, Embed, Shutdown, Retire, Reintroduce, Ping
+gateway -> worker: Generate, Cancel, Tokenize, Detokenize, Embed, Shutdown, Retire, Load, Unload,
+                   Reintroduce, Ping
 worker -> gateway: Hello, Status, Ready, Accepted, Rejected, Tokens, Embeddings, Step, JobsAborted,
                    Heartbeat, Fatal
 """
@@ -28,7 +29,9 @@ from wire.trace_context import TraceParent
 # 5: Ping (a gateway's liveness, for workers that serve several gateways), the worker's load in
 # Heartbeat, and the worker_full and gateway_gone codes: a version 4 worker would drop every Ping.
 # 6: Retire (the leading gateway stops a listening worker for every gateway).
-PROTOCOL_VERSION = 6
+# 7: Load and Unload (the leading gateway loads a standby worker's model and unloads it again), the
+# standby period in Status (`epoch`) and the worker's idle time in its load (`idle_s`).
+PROTOCOL_VERSION = 7
 
 # ---- gateway -> worker -------------------------------------------------------------------------
 
@@ -107,6 +110,27 @@ class Retire(Message, frozen=True):
     TAG: ClassVar[str] = "retire"
 
 
+class Load(Message, frozen=True):
+    """Cluster mode: the leading gateway asks a standby worker (state unloaded) to load its model
+    and warm up, then serve as any worker. `epoch` is the standby period the load was decided for
+    (Status.epoch): a Load for another period, or one that finds the worker loading or ready, is
+    ignored, so a Load sent twice (by a leader and its successor) loads the model once."""
+
+    epoch: Count
+    TAG: ClassVar[str] = "load"
+
+
+class Unload(Message, frozen=True):
+    """Cluster mode: the leading gateway sends a loaded worker back to standby (idle, or its
+    exclusive group's GPUs are wanted by another model). Drain for `grace_s`, abort what is left,
+    close the engine (its memory is freed), report unloaded; the process stays, registered.
+    `epoch` is the standby period the model was loaded from; an Unload for another is ignored."""
+
+    grace_s: Finite
+    epoch: Count
+    TAG: ClassVar[str] = "unload"
+
+
 class Reintroduce(Message, frozen=True):
     """The gateway does not know this worker (it restarted): send Hello, and Ready if ready."""
 
@@ -136,11 +160,14 @@ class Hello(Message, frozen=True):
 
 class Status(Message, frozen=True):
     """Lifecycle progress: loading or warming (progress in [0, 1] or None), or draining; `stopped` is a
-    worker's last frame before its process exits, so the gateway need not wait for a heartbeat timeout."""
+    worker's last frame before its process exits, so the gateway need not wait for a heartbeat timeout.
+    `unloaded` (cluster mode) says the worker stands by without a model; `epoch` then counts its
+    standby periods (1 for the first), which the leading gateway names its Load and Unload by."""
 
     state: WorkerState
     detail: str
     progress: Finite | None
+    epoch: Count | None = None
     TAG: ClassVar[str] = "status"
 
 
@@ -225,7 +252,7 @@ class Fatal(Message, frozen=True):
 
 PROTOCOL = Codec(
     [
-        Generate, Cancel, Tokenize, Detokenize, Embed, Shutdown, Retire, Reintroduce, Ping,
+        Generate, Cancel, Tokenize, Detokenize, Embed, Shutdown, Retire, Load, Unload, Reintroduce, Ping,
         Hello, Status, Ready, Accepted, Rejected, Tokens, Embeddings, Step, JobsAborted, Heartbeat, Fatal,
     ]
 )  # fmt: skip

@@ -164,6 +164,9 @@ class WorkerSpec:
     max_queue: int = 0
     # A worker that listens (serves several gateways) forgets a gateway silent for this long.
     heartbeat_timeout_s: float = 30.0
+    # A listening worker of a `load: on_demand` model (cluster mode) starts in standby, without its
+    # model, and loads it when the leading gateway sends Load.
+    standby: bool = False
 
 
 # Registry defaults that both processes apply: the gateway to the entries it validates, a remote

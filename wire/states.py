@@ -8,6 +8,8 @@ gateway's one place that changes a worker's state refuses it and logs it.
     unloaded --launch--> starting -> loading -> warming -> ready -> draining -> stopped | unloaded
     any live state --process died--> restarting -> starting ... | failed (too many failed starts)
     remote workers: any live state --silence--> lost --frames again--> ready | loading | starting
+    standby workers (cluster mode): starting -> unloaded --Load--> starting ... ready --Unload-->
+    draining -> unloaded; unloaded --silence--> lost --frames again--> unloaded
 """
 
 from __future__ import annotations
@@ -16,7 +18,9 @@ import enum
 
 
 class WorkerState(str, enum.Enum):
-    UNLOADED = "unloaded"  # no process on purpose: on-demand and not yet needed, or unloaded by hand
+    # No model on purpose: on-demand and not yet needed, or unloaded by hand or when idle (a spawned
+    # worker has no process then; a standby worker in cluster mode keeps its process, without a model).
+    UNLOADED = "unloaded"
     STARTING = "starting"  # process spawned (or a remote worker joined); nothing loaded yet
     LOADING = "loading"
     WARMING = "warming"  # loaded; running the warm-up generation
@@ -37,8 +41,10 @@ S = WorkerState
 _LIVE = frozenset({S.STARTING, S.LOADING, S.WARMING, S.READY})
 
 TRANSITIONS: dict[WorkerState, frozenset[WorkerState]] = {
-    S.UNLOADED: frozenset({S.STARTING, S.STOPPED}),
-    S.STARTING: frozenset({S.LOADING, S.DRAINING, S.RESTARTING, S.FAILED, S.STOPPED, S.LOST}),
+    # A standby worker (cluster mode) that goes silent is lost, like any remote worker.
+    S.UNLOADED: frozenset({S.STARTING, S.STOPPED, S.LOST}),
+    # A standby worker starts without loading: starting -> unloaded.
+    S.STARTING: frozenset({S.LOADING, S.DRAINING, S.RESTARTING, S.FAILED, S.STOPPED, S.LOST, S.UNLOADED}),
     S.LOADING: frozenset({S.WARMING, S.STARTING, S.DRAINING, S.RESTARTING, S.FAILED, S.STOPPED, S.LOST}),
     S.WARMING: frozenset({S.READY, S.STARTING, S.DRAINING, S.RESTARTING, S.FAILED, S.STOPPED, S.LOST}),
     # A remote worker whose process restarted says Hello again: ready -> starting.
@@ -46,7 +52,7 @@ TRANSITIONS: dict[WorkerState, frozenset[WorkerState]] = {
     S.DRAINING: frozenset({S.STOPPED, S.UNLOADED, S.LOST}),
     S.RESTARTING: frozenset({S.STARTING, S.FAILED, S.STOPPED, S.UNLOADED}),
     S.FAILED: frozenset({S.STARTING, S.STOPPED, S.UNLOADED}),
-    S.LOST: frozenset({S.READY, S.LOADING, S.STARTING, S.STOPPED}),
+    S.LOST: frozenset({S.READY, S.LOADING, S.STARTING, S.STOPPED, S.UNLOADED}),
     S.STOPPED: frozenset(),
 }
 

@@ -71,13 +71,16 @@ class WorkerLoad(Struct, frozen=True):
     heartbeat. `active`: admitted and running (or compiling their constraint); `queued`: admitted,
     waiting for a running slot. `max_jobs` 0: no cap of its own (a worker its gateway spawned, whose
     admission is the gateway's). `yours`: how many of active + queued belong to the gateway the
-    heartbeat is sent to, so each gateway knows what the others put on the worker."""
+    heartbeat is sent to, so each gateway knows what the others put on the worker. `idle_s`: how
+    long it has held no job of any gateway (0 while it holds one), which the leading gateway
+    unloads an idle model by (cluster mode, `idle_unload_s`)."""
 
     active: Count = 0
     queued: Count = 0
     max_jobs: Count = 0
     max_queue: Count = 0
     yours: Count = 0
+    idle_s: Annotated[float, Meta(ge=0.0, le=sys.float_info.max)] = 0.0
 
     @property
     def others(self) -> int:

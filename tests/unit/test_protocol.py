@@ -26,7 +26,7 @@ from wire.results import (
     Usage,
 )
 from wire.states import WorkerState
-from wire.stats import DeviceInfo, EngineInfo, EngineStats, TokenizerInfo
+from wire.stats import DeviceInfo, EngineInfo, EngineStats, TokenizerInfo, WorkerLoad
 
 INFO = EngineInfo("transformers", "5.0", 2048, 8, 512, 32000, False, [DeviceInfo(0, "cpu", "cpu")])
 MESSAGES = [
@@ -51,9 +51,12 @@ MESSAGES = [
     wire.Embeddings("e1", [[0.5, -0.25], [1.0, 0.0]], 4),
     wire.Detokenize("t2", [1, 2]),
     wire.Shutdown(2.5),
+    wire.Load(3),
+    wire.Unload(1.5, 3),
     wire.Reintroduce(),
     wire.Hello(wire.PROTOCOL_VERSION, "w#0", 1234),
     wire.Status(WorkerState.LOADING, "weights", 0.5),
+    wire.Status(WorkerState.UNLOADED, "standby", None, 2),
     wire.Ready(INFO, 99, 1.5, 0.25, True),
     wire.Ready(
         INFO,
@@ -82,6 +85,7 @@ MESSAGES = [
     ),  # fmt: skip
     wire.JobsAborted(["r1", "r2"], AbortReason.SHUTDOWN, "the server is shutting down"),
     wire.Heartbeat(WorkerState.READY, EngineStats(active_jobs=2, gpu_memory_used_bytes={"0": 1 << 30})),
+    wire.Heartbeat(WorkerState.READY, EngineStats(), WorkerLoad(0, 0, 4, 2, 0, idle_s=12.5)),
     wire.Fatal("CUDA error"),
 ]
 
@@ -240,3 +244,19 @@ def test_the_two_processes_never_import_each_other() -> None:
         )  # fmt: skip
         assert out.returncode == 0, out.stderr[-2000:]
         assert out.stdout.strip() == "[]", f"{package} imports {other}"
+
+
+def test_load_and_unload_are_validated_strictly() -> None:
+    """A standby period is a count: a negative or missing one is refused, not taken as period 0."""
+    with pytest.raises(ProtocolError):
+        wire.decode(msgpack.packb(["load", [-1]]))
+    with pytest.raises(ProtocolError):
+        wire.decode(msgpack.packb(["load", []]))
+    with pytest.raises(ProtocolError):
+        wire.decode(msgpack.packb(["unload", [float("nan"), 1]]))
+    with pytest.raises(ProtocolError):
+        wire.decode(msgpack.packb(["load", [1, 2]]))
+    # A Status without the period (any state but unloaded) reads as before.
+    assert wire.decode(msgpack.packb(["status", ["ready", "", None]])) == wire.Status(
+        WorkerState.READY, "", None
+    )

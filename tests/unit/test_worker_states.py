@@ -41,6 +41,9 @@ PATHS = {
     "shutdown while loading": [S.LOADING, S.DRAINING, S.STOPPED],
     "on-demand removed by reload": [S.UNLOADED, S.STOPPED],
     "retire while restarting": [S.RESTARTING, S.UNLOADED],
+    "standby worker loaded by the leader": [S.STARTING, S.UNLOADED, S.STARTING, S.LOADING, S.WARMING],
+    "standby worker unloaded by the leader": [S.WARMING, S.READY, S.DRAINING, S.UNLOADED, S.STARTING],
+    "standby worker lost and back": [S.UNLOADED, S.LOST, S.UNLOADED],
 }
 FORBIDDEN = [
     (S.STOPPED, S.STARTING),  # stopped is final: reloads make new handles
