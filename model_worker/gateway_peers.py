@@ -5,8 +5,9 @@ Runs in a worker process started with `model-worker --listen`, on its link threa
 method is called there. Owns the table of gateway peers (by the routing id each gateway connects
 with), the owner of every job and one-shot exchange (by request id), and what each gateway must be
 told when it first appears: the worker's story so far (Hello, the last Status of each state it
-went through, Ready) and its last Heartbeat, so that a gateway's view passes through the states in
-the order wire.states allows, as if it had watched from the start.
+went through since then or since its last standby, Ready) and its last Heartbeat, so that a
+gateway's view passes through the states in the order wire.states allows, as if it had watched
+from the start.
 
 A job belongs to the gateway that sent its Generate: its outputs, answers and aborts go to that
 gateway alone, and only that gateway may cancel it. A gateway that sends nothing (a Ping comes
@@ -25,6 +26,7 @@ import msgspec
 
 from wire import messages as wire
 from wire.results import AbortReason, RejectCode
+from wire.states import WorkerState
 
 logger = logging.getLogger(__name__)
 
@@ -178,6 +180,9 @@ class GatewayPeers:
             self._heartbeat = message
         elif isinstance(message, wire.Hello):  # a process's life begins: nothing before it counts
             self._story, self._heartbeat = [message], None
+        elif isinstance(message, wire.Status) and message.state is WorkerState.UNLOADED and story:
+            # Standby again (cluster mode): the model's last life no longer counts either.
+            self._story, self._heartbeat = [story[0], message], None
         elif isinstance(message, wire.Status) and story and isinstance(story[-1], wire.Status):
             if story[-1].state is message.state:
                 story[-1] = message  # progress within a state: only the latest counts

@@ -18,6 +18,7 @@ refused with `worker_full`, which a gateway takes to another replica or answers 
 from __future__ import annotations
 
 import collections
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -60,6 +61,7 @@ class JobDesk:
         self._starts_pending = False
         # Prompt logprobs computed at submit, sent with the job's first output.
         self._prompt_logprobs: dict[str, list[TokenLogprob]] = {}
+        self._idle_since = time.monotonic()  # when it last held a job (or started)
         # Engines that enforce constraints with lm-format-enforcer (they build its tokenizer data in
         # prepare_constraints) get their parsers compiled ahead; exllamav3 compiles its own
         # (llguidance, lazily, in Rust) when the job is submitted.
@@ -78,10 +80,15 @@ class JobDesk:
         return bool(self._parked)
 
     def load(self) -> WorkerLoad:
-        """What the heartbeat reports: jobs held against the cap (`yours` is the link's to fill in)."""
+        """What the heartbeat reports: jobs held against the cap (`yours` is the link's to fill in),
+        and how long it has held none (measured at heartbeats: within an interval)."""
         active = len(self.live) + len(self._parked)
         queued = len(self._queued)
-        return WorkerLoad(active, queued, self.spec.max_jobs, self.spec.max_queue, active + queued)
+        now = time.monotonic()
+        if active or queued:
+            self._idle_since = now
+        idle_s = round(now - self._idle_since, 3) if not (active or queued) else 0.0
+        return WorkerLoad(active, queued, self.spec.max_jobs, self.spec.max_queue, active + queued, idle_s)
 
     def _full(self) -> bool:
         cap = self.spec.max_jobs
@@ -93,6 +100,7 @@ class JobDesk:
 
     def generate(self, prepared: PreparedJob) -> None:
         msg = prepared.message
+        self._idle_since = time.monotonic()
         if (
             msg.rid in self.live
             or msg.rid in self._queued

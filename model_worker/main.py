@@ -6,13 +6,15 @@ Runs in the worker process. Owns process-level set-up that must happen before to
 one gateway (`--connect tcp://...`); in cluster mode a worker is a service of its own that listens
 (`--listen tcp://...`), serves every gateway whose key is authorized, and outlives any of them;
 when its registry file says `server.cluster.backend: etcd` it also registers itself there
-(model_worker.registration) until it stops.
+(model_worker.registration) until it stops, and a worker of a `load: on_demand` model then starts
+in standby, without its model, which it loads when the leading gateway asks (model_worker.standby).
 """
 
 from __future__ import annotations
 
 import argparse
 import ctypes
+import dataclasses
 import json
 import logging
 import os
@@ -212,6 +214,19 @@ def _registration(args: argparse.Namespace, spec: WorkerSpec, public_key: bytes)
     return thread
 
 
+def _has_leader(args: argparse.Namespace) -> bool:
+    """Whether a leading gateway may load this worker's model on demand: only a listening worker
+    registered in etcd stands by (anywhere else a standby worker would wait forever)."""
+    if args.listen is None:
+        return False
+    from model_worker.registration import RegistrationConfigError, etcd_target
+
+    try:
+        return etcd_target(args.config) is not None
+    except RegistrationConfigError as exc:
+        raise SystemExit(f"model-worker: {exc}") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     spec = _spec(args)
@@ -227,6 +242,8 @@ def main(argv: list[str] | None = None) -> int:
     elif args.connect.startswith("tcp://") and args.curve_secret_key is None:
         raise SystemExit("model-worker: a tcp connection needs --curve-secret-key and --gateway-public-key")
     keys = _curve_keys(args)
+    if spec.standby and not _has_leader(args):
+        spec = dataclasses.replace(spec, standby=False)
     try:
         fmt = log_format.resolve_format(args.log_format, os.environ)  # LOG_FORMAT: from a spawning gateway
     except ValueError:

@@ -8,11 +8,14 @@ gateways connect to: model_worker.listener) is created here and handed to the li
 (model_worker.link_thread), which decodes what arrives and encodes and sends every frame; its
 prompt thread prepares prompts. What they pass on is dispatched by type through a table;
 generation jobs are admitted and tracked by model_worker.jobs, embedding requests batched by
-model_worker.embedding_batch.
+model_worker.embedding_batch. A standby worker (cluster mode, `load: on_demand`) waits without a
+model until the leading gateway sends Load, and goes back to standby on Unload
+(model_worker.standby); the process, its socket and its registration stay throughout.
 """
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import sys
@@ -34,6 +37,7 @@ from model_worker.jobs import JobDesk
 from model_worker.link_thread import LinkThread
 from model_worker.listener import Listener
 from model_worker.prompt_desk import PreparedJob, PromptDesk
+from model_worker.standby import NOT_LOADED, Standby, StandbyDesk
 from model_worker.step_trace import StepTrace
 from model_worker.tokenizer_info import tokenizer_info
 from model_worker.warmup import warm_up, warm_up_embeddings
@@ -77,6 +81,7 @@ class Worker:
         self._announce_draining = False
         self.jobs: JobDesk | None = None
         self.embeddings: EmbeddingBatch | None = None
+        self.standby = Standby(self)
         self._ctx = zmq.Context()
         self._handshake: HandshakeWatch | None = None
         self._listener: Listener | None = None
@@ -99,6 +104,8 @@ class Worker:
             wire.Shutdown: self._on_shutdown,
             wire.Retire: self._on_retire,
             wire.Reintroduce: self._on_reintroduce,
+            wire.Load: self.standby.on_load,
+            wire.Unload: self.standby.on_unload,
         }
         # From its start() on, the socket is the link thread's alone. It passes on the messages
         # handled here; a prepared job stands for each Generate.
@@ -119,6 +126,10 @@ class Worker:
 
     def request_stop(self, grace_s: float) -> None:
         self._stop_requested = True
+        if self.state is WorkerState.UNLOADED:  # standby: nothing to drain; the wait loop sees it
+            self._stop_deadline = time.monotonic()
+            self.link.wake()
+            return
         if self.state in LOADING_STATES:
             sys.exit(0)  # nothing to drain; stop loading at once
         deadline = time.monotonic() + grace_s
@@ -141,8 +152,12 @@ class Worker:
             return 3
         self._send(wire.Hello(wire.PROTOCOL_VERSION, self.worker_id, os.getpid()))
         try:
-            self._load_and_warm()
-            self._serve()
+            loading = not self.spec.standby or self.standby.wait()
+            while loading:
+                self._load_and_warm()
+                unloaded = self._serve()
+                # Unloaded on request (not stopped meanwhile): free the model, stand by again.
+                loading = unloaded and self._stop_deadline is None and self.standby.release_and_wait()
         except SystemExit:
             raise
         except BaseException as exc:  # the engine's state is now unknown: report, then exit
@@ -179,10 +194,12 @@ class Worker:
             self._sock.close()
             self._ctx.term()
 
-    def _move_to(self, state: WorkerState, detail: str = "", progress: float | None = None) -> None:
+    def move_to(
+        self, state: WorkerState, detail: str = "", progress: float | None = None, epoch: int | None = None
+    ) -> None:
         check_transition(self.state, state)
         self.state = state
-        self._send(wire.Status(state, detail, progress))
+        self._send(wire.Status(state, detail, progress, epoch))
 
     def _load_and_warm(self) -> None:
         spec = self.spec
@@ -192,7 +209,7 @@ class Worker:
             settings = entry.settings.model_validate(spec.engine_settings, context=context)
         except ValidationError as exc:
             raise RuntimeError(f"engine_settings of model {spec.name!r} are invalid: {exc}") from None
-        self._move_to(WorkerState.LOADING, f"loading {spec.engine} model", 0.0)
+        self.move_to(WorkerState.LOADING, f"loading {spec.engine} model", 0.0)
         started = time.monotonic()
         engine_class = entry.engine_class() if spec.task != "embed" else entry.package.embedding_class()
         supported = type(settings).supported_parameters
@@ -202,7 +219,7 @@ class Worker:
                 f"{engine_class.__name__} lists {', '.join(missing)} but does not implement it"
             )
         engine: Engine = engine_class(spec.path, spec.max_seq_len, settings)
-        engine.load(lambda detail, progress: self._move_to(WorkerState.LOADING, detail, progress))
+        engine.load(lambda detail, progress: self.move_to(WorkerState.LOADING, detail, progress))
         self.engine = engine
         self.info = engine.info()
         chat_template = ChatTemplate.for_model(spec.path, spec.chat_template)
@@ -210,7 +227,7 @@ class Worker:
         self.embeddings = EmbeddingBatch(engine, self.info, spec, self._send, self.jobs.spans)
         load_s = time.monotonic() - started
         logger.info("model loaded in %.1fs", load_s)
-        self._move_to(WorkerState.WARMING, "warm-up generation")
+        self.move_to(WorkerState.WARMING, "warm-up generation")
         if spec.task == "embed":
             warm_s = warm_up_embeddings(engine)
         else:
@@ -237,7 +254,8 @@ class Worker:
 
     # ---- the loop --------------------------------------------------------------------------
 
-    def _serve(self) -> None:
+    def _serve(self) -> bool:
+        """Serve until a stop (False) or an Unload (True) ends it."""
         assert self.engine is not None
         engine = self.engine
         jobs, embeddings = self.jobs, self.embeddings
@@ -248,6 +266,7 @@ class Worker:
         finally:
             if trace is not None:
                 trace.close()
+        return self.standby.unload_deadline is not None
 
     def _loop(
         self, engine: Engine, jobs: JobDesk, embeddings: EmbeddingBatch, trace: StepTrace | None
@@ -282,7 +301,7 @@ class Worker:
             if self._announce_draining:
                 self._announce_draining = False
                 if self.state is not WorkerState.DRAINING:
-                    self._move_to(WorkerState.DRAINING, "shutting down")  # the gateway stops routing to us
+                    self.move_to(WorkerState.DRAINING, "shutting down")  # the gateway stops routing to us
             if now - last_heartbeat >= interval_s:
                 last_heartbeat = now
                 if self._handshake is not None and self._handshake.refused():
@@ -300,24 +319,48 @@ class Worker:
                 if now >= self._stop_deadline:
                     jobs.abort_all("the server is shutting down")
                     return
+            unload_at = self.standby.unload_deadline
+            if unload_at is not None and (not (engine.has_work() or jobs.waiting) or now >= unload_at):
+                jobs.abort_all("the model is being unloaded")
+                return
 
     # ---- message handlers --------------------------------------------------------------------
 
+    def handle(self, item: Any) -> None:
+        """One message (or prepared job) the link passed on, by its type."""
+        self._handlers[type(item)](item)
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop_deadline is not None
+
+    def release_model(self) -> None:
+        """After an unload: the engine closed and its memory freed; the process stays."""
+        self.link.serve_prompts(StandbyDesk())  # the prompt thread stops using the model first
+        if self.jobs is not None:
+            self.jobs.close()
+        if self.engine is not None:
+            self.engine.close()
+        self.engine, self.info, self.jobs, self.embeddings, self._ready = None, None, None, None, None
+        gc.collect()  # the engine's tensors go now, not at some later collection
+        logger.info("model unloaded; its memory is free")
+
     def _on_generate(self, prepared: PreparedJob) -> None:
-        assert self.jobs is not None
-        if self.state is not WorkerState.READY:
+        if self.state is not WorkerState.READY or self.jobs is None:
             rid = prepared.message.rid
-            self._send(wire.Rejected(rid, RejectCode.SHUTTING_DOWN, "the model is shutting down", None))
+            text = NOT_LOADED if self.jobs is None else "the model is shutting down"
+            self._send(wire.Rejected(rid, RejectCode.SHUTTING_DOWN, text, None))
             return
         self.jobs.generate(prepared)
 
     def _on_embed(self, msg: wire.Embed) -> None:
-        assert self.embeddings is not None
+        if self.embeddings is None:  # a standby worker
+            self._send(wire.Rejected(msg.rid, RejectCode.SHUTTING_DOWN, NOT_LOADED, None))
+            return
         self.embeddings.queue.append(msg)  # answered after the socket is drained, batched with the others
 
     def _on_cancel(self, msg: wire.Cancel) -> None:
-        assert self.jobs is not None
-        if self.jobs.cancel(msg.rid):
+        if self.jobs is not None and self.jobs.cancel(msg.rid):
             logger.debug("cancelled %s", msg.rid)
 
     def _on_reintroduce(self, msg: wire.Reintroduce) -> None:

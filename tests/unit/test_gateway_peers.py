@@ -73,3 +73,26 @@ def test_a_gateway_that_lets_go_loses_only_its_own_jobs() -> None:
     peers.on_frame(B, _generate("b1"), now=0.0)
     forward, _, cancels = peers.on_frame(A, wire.Shutdown(0.0), now=0.1)
     assert not forward and cancels == ["a1"] and len(peers) == 1
+
+
+def test_after_an_unload_a_late_gateway_hears_only_the_standby_and_what_followed() -> None:
+    """Each standby period starts the story again: a gateway that appears later sees the worker
+    join, stand by and load, never a life of the model that has ended (nor an ever longer story)."""
+    peers = _ready_peers()
+    peers.route(wire.Ready(_info(), 7, 1.0, 0.5, False))
+    peers.route(wire.Status(WorkerState.DRAINING, "unloading", None))
+    peers.route(wire.Status(WorkerState.UNLOADED, "standby", None, 2))
+    peers.route(wire.Status(WorkerState.STARTING, "loading on request", None))
+    forward, replies, _ = peers.on_frame(A, wire.Load(2), now=0.0)
+    assert forward  # a Load goes on to the engine's side
+    story = [(type(m).__name__, getattr(m, "state", None)) for _, m in replies]
+    assert story == [
+        ("Hello", None),
+        ("Status", WorkerState.UNLOADED),
+        ("Status", WorkerState.STARTING),
+    ]
+    assert replies[1][1] == wire.Status(WorkerState.UNLOADED, "standby", None, 2)  # its period, too
+
+
+def _info() -> wire.EngineInfo:
+    return wire.EngineInfo("transformers", "1", 64, 1, 16, 100, False, [])
