@@ -4,16 +4,20 @@ Runs in the gateway process, on its asyncio loop; started with cluster mode when
 leader (etcd or Kubernetes; a static list has none, and then every gateway decides for itself).
 Owns this gateway's `Leader` (gateway.cluster.backends) and the wait for it.
 
-What is gated, and why so little: in cluster mode gateways spawn no worker (every model is
-`remote: true`, served by workers that are services of their own), so loading on demand, exclusive
-GPU groups and idle unloads, which start and stop processes a gateway spawned, do not happen in
-cluster mode at all, and no model can be loaded twice by two gateways. A registry reload changes
-only the reloading gateway's own routes. What remains to decide once for the whole cluster is
-retiring a listening worker (`POST /admin/workers/{id}/retire`): it stops for every gateway, so
-exactly one gateway, the leader, sends it `Retire`, under a claim that etcd (or the API server)
-grants to one caller ever. A request that arrives while no gateway leads (the leader just died)
-waits for this gateway to take over, up to the lease's TTL; one that arrives at a follower while
-another leads is refused with 409 `not_leader`.
+What is gated: in cluster mode gateways spawn no worker (every model is `remote: true`, served by
+workers that are services of their own). Decided once for the whole cluster, each under a claim
+that etcd (or the API server) grants to one caller ever:
+
+- retiring a listening worker (`POST /admin/workers/{id}/retire`): it stops for every gateway, so
+  exactly one gateway, the leader, sends it `Retire` (here);
+- with etcd, loading a standby worker's model on demand, unloading it when idle, and swapping the
+  models of an exclusive group on a host (`Load`, `Unload`): the leader decides them from every
+  gateway's wants and the workers' states (gateway.workers.cluster_loads, with this gateway's
+  `Leader`), so no model is loaded twice by two gateways.
+
+A registry reload changes only the reloading gateway's own routes. A retire that arrives while no
+gateway leads (the leader just died) waits for this gateway to take over, up to the lease's TTL;
+one that arrives at a follower while another leads is refused with 409 `not_leader`.
 """
 
 from __future__ import annotations

@@ -429,7 +429,8 @@ class Registry(_Strict):
     def _groups_start_one(self) -> Registry:
         starters: dict[str, list[str]] = {}
         for model in self.models:
-            if model.exclusive_group is not None and model.remote:
+            if model.exclusive_group is not None and model.remote and self.server.cluster is None:
+                # In cluster mode on etcd the leader swaps listening workers (gateway.workers.cluster_loads).
                 raise ValueError(f"model {model.name!r} is remote; exclusive_group is for local models")
             if model.exclusive_group is not None and model.load == "startup":
                 starters.setdefault(model.exclusive_group, []).append(model.name)
@@ -515,9 +516,15 @@ def _hub_refs(raw: Any, registry: Registry, source: Path) -> list[HubRef | None]
     return refs
 
 
+# Decided by the leading gateway, which loads and unloads standby workers: only etcd has that part.
+LEADER_LOADS = ("load", "idle_unload_s", "exclusive_group")
+
+
 def _check_cluster_models(registry: Registry, source: Path) -> None:
     """Cluster mode: a gateway spawns no worker (each would spawn its own, and a model would load
-    once per gateway); every model is served by listening workers (gateway.cluster.decisions)."""
+    once per gateway); every model is served by listening workers (gateway.cluster.decisions).
+    Loads on demand, idle unloads and exclusive groups are the etcd leader's to decide
+    (gateway.workers.cluster_loads); with another backend they are refused."""
     cluster = registry.server.cluster
     if cluster is None:
         return
@@ -531,6 +538,28 @@ def _check_cluster_models(registry: Registry, source: Path) -> None:
                 for name in local
             )
         )
+    if cluster.backend != "etcd":
+        errors = [
+            f"{source}: model {model.name!r}, field {field!r}: in cluster mode only backend etcd loads "
+            f"and unloads listening workers' models (server.cluster.backend is {cluster.backend}); "
+            "remove the field and run the workers loaded"
+            for model in registry.models
+            for field in LEADER_LOADS
+            if model.remote and getattr(model, field) not in (None, "startup")
+        ]
+        if errors:
+            raise ConfigError("\n".join(errors))
+        return
+    # After an idle unload or a swap the worker stands by; only a request loads it again.
+    stuck = [
+        f"{source}: model {model.name!r}, field 'load': in cluster mode a model with {field} must be "
+        "`load: on_demand` (its worker stands by after an unload, and only a request loads it again)"
+        for model in registry.models
+        for field in ("idle_unload_s", "exclusive_group")
+        if model.remote and getattr(model, field) is not None and model.load != "on_demand"
+    ]
+    if stuck:
+        raise ConfigError("\n".join(stuck))
 
 
 def _check_fallbacks(registry: Registry, source: Path) -> None:

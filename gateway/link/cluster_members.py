@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from gateway.cluster.membership import Membership, WorkerRecord, cancel_and_wait
 
@@ -41,6 +41,10 @@ class ClusterMembers:
             asyncio.create_task(self._follow(), name="cluster-membership"),
             asyncio.create_task(self._ping_forever(), name="cluster-ping"),
         ]
+
+    def members(self) -> Mapping[str, WorkerRecord]:
+        """The workers of the membership now (their endpoints say which host each is on)."""
+        return self._membership.members()
 
     async def stop(self) -> None:
         for task in self._tasks:

@@ -58,6 +58,10 @@ class WorkerHandle:
     key_name: str | None = None  # a remote worker's CURVE key (its certificate's name)
     lost_since: float | None = None  # when a remote worker was last marked lost
     stale_rids: list[str] = field(default_factory=list)  # ended while it was lost: cancel on rejoin
+    # Cluster mode: the standby period its model was (or will be) loaded from, named by the leader's
+    # Load and Unload; and the state its last heartbeat reported (a standby worker back from lost).
+    standby_epoch: int = 0
+    reported: WorkerState | None = None
 
     @property
     def ready(self) -> bool:

@@ -145,4 +145,7 @@ class RemoteMembers:
                     "remote worker %s is back; cancelled %d stale job(s)", handle.id, len(handle.stale_rids)
                 )
                 handle.stale_rids = []
-                self.pool.set_state(handle, S.READY if handle.info else S.LOADING, "reconnected")
+                back = S.READY if handle.info else S.LOADING
+                if handle.reported is S.UNLOADED:  # a standby worker (cluster mode)
+                    back = S.UNLOADED
+                self.pool.set_state(handle, back, "reconnected")

@@ -8,7 +8,9 @@ gateway.link.step_watch). When a worker goes, every request it held hears so at 
 the link, from its owner. Idle unloads and retries of failed workers run in gateway.workers.upkeep.
 In cluster mode it also starts gateway.link.cluster_members, which connects to the listening
 workers of the membership (those join and leave like any remote worker), and, with etcd or
-Kubernetes, gateway.cluster.decisions, this gateway's part in electing the one that decides.
+Kubernetes, gateway.cluster.decisions, this gateway's part in electing the one that decides; with
+etcd and remote models loaded on demand, gateway.workers.cluster_loads (the leader loads and
+unloads standby workers; any gateway says which models its requests wait for).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from gateway.link.remote_keys import WorkerKey
 from gateway.link.step_watch import StepWatch
 from gateway.link.worker_link import WorkerLink
 from gateway.observability.logging_setup import bind_worker_log_context, worker_log_context
+from gateway.workers.cluster_loads import ClusterLoads, loads_on_demand
 from gateway.workers.loads import LoadGate, LoadRefused
 from gateway.workers.remote import RemoteMembers
 from gateway.workers.upkeep import Upkeep
@@ -60,6 +63,7 @@ class Supervisor:
         self._upkeep_task: asyncio.Task[None] | None = None
         self.cluster: ClusterMembers | None = None
         self.decisions: Decisions | None = None  # cluster mode with a leader (etcd, Kubernetes)
+        self.cluster_loads: ClusterLoads | None = None  # cluster mode on etcd, models loaded on demand
         self.remote = RemoteMembers(self)
         self.loads = LoadGate(self)
         for model in registry.models:
@@ -111,6 +115,12 @@ class Supervisor:
         if cluster.backend != "static":  # a static list has no leader: nothing is decided once
             self.decisions = Decisions(cluster)
             await self.decisions.start()
+        if self.decisions is not None and cluster.backend == "etcd" and loads_on_demand(self.registry):
+            self.cluster_loads = ClusterLoads.on_etcd(
+                cluster, self.workers, link, self.decisions.leader, self.cluster.members,
+                self.registry.server.shutdown_grace_s,
+            )  # fmt: skip
+            await self.cluster_loads.start()
 
     def leave_cluster(self, worker_id: str) -> None:
         """A worker left the membership: what it held ends now, and it is forgotten."""
@@ -124,7 +134,10 @@ class Supervisor:
         self.remove(handle)
 
     def launch(self, handle: WorkerHandle) -> None:
-        """Start (or restart after an unload) the worker of a handle; idempotent while it runs."""
+        """Start (or restart after an unload) the worker of a handle; idempotent while it runs. A
+        standby worker in cluster mode is loaded by the leader: this gateway says it wants it."""
+        if handle.remote and self.cluster_loads is not None and not self._stopping:
+            self.cluster_loads.want(handle)
         if self._stopping or handle.remote or (handle.task is not None and not handle.task.done()):
             return
         handle.retiring, handle.consecutive_failures = False, 0
@@ -171,6 +184,8 @@ class Supervisor:
         self._stopping = True
         if self._upkeep_task is not None:
             self._upkeep_task.cancel()
+        if self.cluster_loads is not None:  # this gateway's wants go with it
+            await self.cluster_loads.stop()
         if self.decisions is not None:  # resigning hands leadership over at once
             await self.decisions.stop()
         if self.cluster is not None:
@@ -219,6 +234,7 @@ class Supervisor:
             return
         if isinstance(message, wire.Heartbeat):
             load_before = handle.load
+            handle.reported = message.state
             handle.on_heartbeat(message.stats, time.monotonic(), message.load)
             if remote and handle.load != load_before:
                 self._on_state(handle)  # room another gateway freed on it: waiting requests look again
@@ -229,7 +245,11 @@ class Supervisor:
                     self.remote.departed(handle, message.detail)
             elif message.state is S.DRAINING and handle.state in HOLDS_PROCESS:
                 self.set_state(handle, S.DRAINING, message.detail)
-            elif message.state in STARTUP and handle.state in STARTUP:
+            elif message.state is S.UNLOADED and remote:  # a standby worker, without its model
+                handle.standby_epoch = message.epoch or 0
+                handle.forget_process()
+                self.set_state(handle, S.UNLOADED, message.detail)
+            elif message.state in STARTUP and handle.state in (*STARTUP, S.UNLOADED):
                 handle.detail, handle.progress = message.detail, message.progress
                 self.set_state(handle, message.state, message.detail)
         elif isinstance(message, wire.Ready):
@@ -240,6 +260,8 @@ class Supervisor:
             handle.detail, handle.progress = "", None
             self.set_state(handle, S.READY, "")
             logger.info("worker %s ready (model %s, pid %s)", handle.id, handle.model.name, handle.pid)
+            if self.cluster_loads is not None:
+                self.cluster_loads.satisfied(handle.model.name)
         elif isinstance(message, wire.Hello):
             if message.version != wire.PROTOCOL_VERSION:
                 reason = f"protocol version {message.version} != gateway's {wire.PROTOCOL_VERSION}"

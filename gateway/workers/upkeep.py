@@ -4,7 +4,8 @@ Runs in the gateway process, on its asyncio loop: one task started with the supe
 every half second. Owns the two decisions taken on time alone, not on any frame:
 
 - a ready worker of a model with `idle_unload_s` that has had no request for that long is retired
-  (its process exits, its memory is free; the next request loads it again);
+  (its process exits, its memory is free; the next request loads it again); a remote worker is
+  not this gateway's to unload (in cluster mode the leader does: gateway.workers.cluster_loads);
 - a worker `failed` for `server.retry_failed_after_s` is tried again: a startup model's worker is
   launched (another `restart_limit` starts), an on-demand model's goes back to `unloaded`, so its
   next request loads it. A crash loop that was caused by something passing (a full GPU, a
@@ -52,6 +53,8 @@ class Upkeep:
     @staticmethod
     def _idle_too_long(handle: WorkerHandle, now: float) -> bool:
         idle_s = handle.model.idle_unload_s
+        if handle.remote:  # idle for this gateway is not idle for all: the leader decides (cluster_loads)
+            return False
         return bool(idle_s and handle.ready and not handle.in_flight and now - handle.last_used >= idle_s)
 
     def _failed_long_enough(self, handle: WorkerHandle, now: float) -> bool:

@@ -98,3 +98,34 @@ def test_cluster_mode_refuses_a_model_the_gateway_would_spawn(tmp_path: Path) ->
     message = str(caught.value)
     assert str(source) in message and "'spawned'" in message and "'remote'" in message
     assert "'served'" not in message
+
+
+@pytest.mark.parametrize(
+    ("field", "value"), [("load", "on_demand"), ("idle_unload_s", 60), ("exclusive_group", "gpu0")]
+)
+@pytest.mark.parametrize("backend", ["static", "kubernetes"])
+def test_only_the_etcd_leader_loads_and_unloads_listening_workers(
+    tmp_path: Path, backend: str, field: str, value: object
+) -> None:
+    """Loads on demand, idle unloads and exclusive groups are decided by the etcd leader, which
+    loads and unloads standby workers; another backend refuses them, naming file, model and field."""
+    from gateway.config.registry import ConfigError, parse_registry
+
+    source = tmp_path / "models.yaml"
+    cluster: dict[str, object] = {"backend": backend, "secret_key_file": "gw.key_secret",
+                                  "worker_public_key_file": "w.key"}  # fmt: skip
+    if backend == "static":
+        cluster["workers"] = [{"worker_id": "served@w1", "model": "served", "endpoint": "tcp://h:5601"}]
+    entry = {"name": "served", "engine": "transformers", "path": "m", "remote": True}
+    raw = {"server": {"cluster": cluster}, "models": [{**entry, field: value}]}
+    with pytest.raises(ConfigError) as caught:
+        parse_registry(raw, source, check_engines=False)
+    message = str(caught.value)
+    assert str(source) in message and "'served'" in message and f"field '{field}'" in message
+    # On etcd the leader decides them: accepted, for a model loaded on demand.
+    etcd = {"backend": "etcd", "secret_key_file": "gw.key_secret", "etcd": {"endpoints": ["h:2379"]}}
+    on_demand = {**entry, "load": "on_demand", field: value}
+    parse_registry({"server": {"cluster": etcd}, "models": [on_demand]}, source, False)
+    if field != "load":  # a worker unloaded by the leader stands by: only a request loads it again
+        with pytest.raises(ConfigError, match=r"model 'served', field 'load': .* must be `load: on_demand`"):
+            parse_registry({"server": {"cluster": etcd}, "models": [{**entry, field: value}]}, source, False)
