@@ -8,6 +8,12 @@ the `JobReceiver` of one choice of one request) and one-shot exchanges (tokenize
 Lifecycle frames (Hello, Status, Ready, Heartbeat, Fatal) go to the supervisor through a callback.
 The link never ends a request itself: it hands each event to the request's owner.
 
+The local (ipc) socket, which carries every token of every local worker, is read without
+pyzmq's asyncio layer: a reader callback on the socket's file descriptor takes every frame that is
+waiting and dispatches it in the same turn of the loop (no future, no task wake-up per frame).
+The descriptor only signals a change of state, and a send may consume that signal, so after each
+send on that socket the callback is scheduled once more (pyzmq's asyncio socket does the same).
+
 Identities are bound to where they belong: a local worker's id is accepted only on the ipc
 socket (the supervisor registers it before spawning), and a remote worker's id only over tcp, from
 the CURVE key it joined with, while that key is still authorized; a listening worker's id only on
@@ -23,7 +29,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, cast
+from typing import Any, Protocol, TypeVar, cast
 
 import zmq
 import zmq.asyncio
@@ -42,6 +48,12 @@ from wire.codec import ENCODE_ERRORS, MAX_SOCKET_MESSAGE_BYTES, ProtocolError
 from wire.results import JobOutput
 
 logger = logging.getLogger(__name__)
+
+# Frames the local socket's reader takes in one turn of the loop before it lets other callbacks
+# (the streams it just fed) run; it comes back for the rest in the next turn.
+_DRAIN_BATCH = 64
+# Plain ints: an int & zmq.POLLIN (an IntFlag) goes through enum.Flag.__and__ in Python.
+_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
 
 
 class JobReceiver(Protocol):
@@ -101,7 +113,10 @@ class WorkerLink:
         self.dialer: WorkerDialer | None = None
         self._on_lifecycle = on_lifecycle
         self._ctx = zmq.asyncio.Context()
-        self._sock = self._router_socket()
+        # Plain (not asyncio) socket: read by _drain_local from a reader on its descriptor.
+        self._sock: zmq.Socket[bytes] = _configured(zmq.Socket(self._ctx, zmq.ROUTER))
+        self._drain_scheduled = False
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._remote_sock: zmq.asyncio.Socket | None = None
         self._remote_cap: ListenerCap | None = None
         self._authenticator: Any = None
@@ -128,18 +143,13 @@ class WorkerLink:
         }
 
     def _router_socket(self) -> zmq.asyncio.Socket:
-        sock = self._ctx.socket(zmq.ROUTER)
-        sock.setsockopt(zmq.MAXMSGSIZE, MAX_SOCKET_MESSAGE_BYTES)
-        sock.setsockopt(zmq.SNDHWM, 100_000)
-        sock.setsockopt(zmq.RCVHWM, 100_000)
-        # Fail loudly instead of silently dropping frames addressed to a worker that is gone.
-        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        sock.setsockopt(zmq.LINGER, 0)
-        return sock
+        return _configured(self._ctx.socket(zmq.ROUTER))
 
     async def start(self) -> None:
         self._sock.bind(self.endpoint)
-        self._readers = [asyncio.create_task(self._read_forever(self._sock, False), name="worker-link-ipc")]
+        self._loop = asyncio.get_running_loop()
+        self._loop.add_reader(self._sock.fileno(), self._drain_local)
+        self._schedule_drain()  # the descriptor signals changes only: look once from the start
         if self.remote is not None:
             self._remote_sock = self._start_remote_listener(self.remote)
             self._remote_cap = ListenerCap(self._remote_sock, self.remote.max_connections)
@@ -173,6 +183,9 @@ class WorkerLink:
         return sock
 
     async def close(self) -> None:
+        if self._loop is not None:
+            self._loop.remove_reader(self._sock.fileno())
+            self._loop = None
         for reader in self._readers:
             reader.cancel()
         await asyncio.gather(*self._readers, return_exceptions=True)
@@ -268,11 +281,20 @@ class WorkerLink:
             self.last_job_sent[worker_id] = time.monotonic()
         # Local ids live on the ipc socket only; listening workers on the dialer's; the rest are remote.
         local = worker_id in self._local_ids
-        if not local and self.dialer is not None and worker_id in self.dialer:
+        if local or (self._remote_sock is None and (self.dialer is None or worker_id not in self.dialer)):
+            # A send may take the descriptor's signal for frames that arrived meanwhile.
+            self._schedule_drain()
+            try:
+                self._sock.send_multipart([worker_id.encode(), frame], zmq.NOBLOCK)
+            except zmq.ZMQError as exc:  # EHOSTUNREACH: the worker is gone; EAGAIN: it is not reading
+                logger.warning("could not send a frame to worker %s: %s", worker_id, exc)
+                return False
+            return True
+        if self.dialer is not None and worker_id in self.dialer:
             sock = self.dialer.sock
         else:
-            sock = self._sock if local or self._remote_sock is None else self._remote_sock
-        assert sock is not None
+            assert self._remote_sock is not None
+            sock = self._remote_sock
         # A NOBLOCK send on an asyncio socket is tried at once; its error (EHOSTUNREACH: the worker
         # is gone; EAGAIN: it is not reading) comes back on the future it returns, never raised.
         sent = cast("asyncio.Future[Any]", sock.send_multipart([worker_id.encode(), frame], zmq.NOBLOCK))
@@ -362,6 +384,45 @@ class WorkerLink:
         except Exception:  # one bad message must not stop the reader for every request
             logger.exception("error handling %s from worker %s", type(message).__name__, worker_id)
 
+    def _schedule_drain(self) -> None:
+        if not self._drain_scheduled and self._loop is not None:
+            self._drain_scheduled = True
+            self._loop.call_soon(self._drain_local)
+
+    def _drain_local(self) -> None:
+        """The local socket's reader: every frame waiting now (up to _DRAIN_BATCH, then the rest in
+        the next turn of the loop), each decoded and dispatched at once."""
+        self._drain_scheduled = False
+        if self._loop is None:  # closed
+            return
+        sock = self._sock
+        try:
+            for _ in range(_DRAIN_BATCH):
+                # Asking first is cheaper than the zmq.Again an empty socket raises.
+                if not cast(int, sock.get(_EVENTS)) & _POLLIN:
+                    return
+                self._on_frames(sock.recv_multipart(zmq.NOBLOCK), False)
+        except zmq.ZMQError as exc:
+            logger.error("worker socket receive failed: %s", exc)
+            return
+        self._schedule_drain()
+
+    def _on_frames(self, frames: list[Any], remote: bool) -> None:
+        if len(frames) != 2:
+            self._refusals.warning("dropped a message of %d frames", len(frames))
+            return
+        identity, payload, public_z85 = _unpack(frames)
+        worker_id = identity.decode(errors="replace")
+        admitted, key = self._admit(worker_id, remote, public_z85)
+        if not admitted:
+            return
+        try:
+            message = wire.decode(payload)
+        except ProtocolError as exc:
+            self._refusals.warning("dropped a bad frame from worker %s: %s", worker_id, exc)
+            return
+        self._handle(worker_id, message, key)
+
     async def _read_forever(self, sock: zmq.asyncio.Socket, remote: bool) -> None:
         while True:
             try:
@@ -371,20 +432,7 @@ class WorkerLink:
                 logger.error("worker socket receive failed: %s", exc)
                 await asyncio.sleep(0.1)
                 continue
-            if len(frames) != 2:
-                self._refusals.warning("dropped a message of %d frames", len(frames))
-                continue
-            identity, payload, public_z85 = _unpack(frames)
-            worker_id = identity.decode(errors="replace")
-            admitted, key = self._admit(worker_id, remote, public_z85)
-            if not admitted:
-                continue
-            try:
-                message = wire.decode(payload)
-            except ProtocolError as exc:
-                self._refusals.warning("dropped a bad frame from worker %s: %s", worker_id, exc)
-                continue
-            self._handle(worker_id, message, key)
+            self._on_frames(frames, remote)
 
     def _on_reply(
         self, worker_id: str, message: wire.Accepted | wire.Rejected | wire.Tokens | wire.Embeddings
@@ -412,6 +460,19 @@ class WorkerLink:
             job = self._jobs.get(rid)
             if job is not None and job.worker_id == worker_id:
                 job.on_aborted(message)
+
+
+SocketT = TypeVar("SocketT", bound="zmq.Socket[Any]")
+
+
+def _configured(sock: SocketT) -> SocketT:
+    sock.setsockopt(zmq.MAXMSGSIZE, MAX_SOCKET_MESSAGE_BYTES)
+    sock.setsockopt(zmq.SNDHWM, 100_000)
+    sock.setsockopt(zmq.RCVHWM, 100_000)
+    # Fail loudly instead of silently dropping frames addressed to a worker that is gone.
+    sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    sock.setsockopt(zmq.LINGER, 0)
+    return sock
 
 
 def _take_exception(future: asyncio.Future[Any]) -> None:

@@ -12,6 +12,7 @@ from pathlib import Path
 import zmq
 
 from gateway.link.worker_link import WorkerLink
+from wire import messages as wire
 
 
 def test_send_frame_is_false_for_a_worker_that_is_not_connected(tmp_path: Path) -> None:
@@ -43,3 +44,41 @@ def test_send_frame_is_false_for_a_worker_that_is_not_connected(tmp_path: Path) 
     absent, present, received = asyncio.run(scenario())
     assert absent is False  # EHOSTUNREACH: ROUTER_MANDATORY refuses a frame with nowhere to go
     assert present is True and received == b"frame"
+
+
+def test_every_frame_is_read_when_sends_and_bursts_interleave(tmp_path: Path) -> None:
+    """The local socket is read from a reader on its descriptor, which signals only changes of
+    state; a send from the gateway may take that signal. Bursts longer than one drain, with the
+    gateway sending between them, must all be read, none left waiting for a later frame."""
+    received: list[object] = []
+
+    async def scenario() -> None:
+        link = WorkerLink(
+            f"ipc://{tmp_path}/link", on_lifecycle=lambda _id, message, _key: received.append(message)
+        )
+        await link.start()
+        worker = zmq.Context.instance().socket(zmq.DEALER)
+        worker.setsockopt(zmq.IDENTITY, b"w")
+        worker.setsockopt(zmq.LINGER, 0)
+        worker.connect(link.endpoint)
+        link.expect_local("w")
+        frame = wire.encode(wire.Ping())
+        try:
+            loop = asyncio.get_running_loop()
+            expected = 0
+            for burst in range(20):
+                # The first burst (one frame) connects the worker, so the gateway can answer after.
+                for sent in range(burst * 7 or 1):  # up to 133 frames, past one drain's 64
+                    worker.send(frame)
+                    if burst % 2 and sent % 10 == 0:  # every other burst, the gateway sends too
+                        assert link.send_frame("w", b"x")
+                expected += burst * 7 or 1
+                deadline = loop.time() + 10
+                while len(received) < expected and loop.time() < deadline:
+                    await asyncio.sleep(0.001)
+                assert len(received) == expected, f"burst {burst}: {len(received)} of {expected} read"
+        finally:
+            worker.close()
+            await link.close()
+
+    asyncio.run(scenario())
