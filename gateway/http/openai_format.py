@@ -184,7 +184,9 @@ class ResponseFormatter(Formatter):
         return b"".join(self.first_chunks([c.index for c in owner.choices], self.with_usage))
 
     def chunk(self, owner: RequestOwner, index: int, delta: Delta) -> bytes:
-        return self.delta_chunk(owner.choices[index], delta, self.with_usage, owner.outputs)
+        # owner.outputs builds a list on every call; only continuous usage reads it.
+        usage_now = owner.outputs if self.continuous_usage else None
+        return self.delta_chunk(owner.choices[index], delta, self.with_usage, usage_now)
 
     def closing(self, owner: RequestOwner) -> bytes:
         return (self.usage_chunk(owner.outputs) if self.with_usage else b"") + SSE_DONE

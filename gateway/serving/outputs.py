@@ -45,11 +45,13 @@ class FinalUsage:
     decode_s: float = 0.0
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Delta:
     """One worker output of one choice, as the API surfaces format it. `text` is the answer only
     (reasoning, when the model's reasoning parser split it off, is in `reasoning`); `usage` comes
-    with the `finish_reason`; `stop_sequence` names the stop string the gateway matched."""
+    with the `finish_reason`; `stop_sequence` names the stop string the gateway matched. Never
+    changed once made; not frozen only because a frozen dataclass's __init__ costs a setattr call
+    per field, and one Delta is made for every worker output."""
 
     text: str = ""
     reasoning: str = ""

@@ -27,7 +27,7 @@ from gateway.reasoning.parsers import parser_named
 from gateway.reasoning.plan import ReasoningPlan
 from gateway.serving.choice_text import TextPlan
 from gateway.serving.outputs import ChoiceInput
-from gateway.serving.request_owner import KEEPALIVE, RequestOwner
+from gateway.serving.request_owner import KEEPALIVE, OutputQueue, RequestOwner
 from gateway.serving.router import ModelRoute
 from gateway.serving.service import GenerationService
 from tests.harness import async_wait_until
@@ -594,5 +594,31 @@ def test_an_abort_during_a_continuation_ends_it_and_gives_everything_back(tmp_pa
                 await asyncio.wait_for(handler, 2)
             assert owner.outcome == 408
             r.assert_all_released()
+
+    asyncio.run(scenario())
+
+
+def test_output_queue_wakes_its_consumer_and_survives_a_cancelled_wait() -> None:
+    """The request's queue: a consumer waiting for an item wakes when one is put; one whose wait was
+    cancelled (its client left) leaves nothing behind that breaks a later put or wait."""
+
+    async def scenario() -> None:
+        queue = OutputQueue()
+        waiting = asyncio.ensure_future(queue.get())
+        await asyncio.sleep(0)
+        queue.put_nowait("a")
+        assert await asyncio.wait_for(waiting, 1) == "a"
+        abandoned = asyncio.ensure_future(queue.arrival())
+        await asyncio.sleep(0)
+        abandoned.cancel()
+        queue.put_nowait("b")
+        queue.put_nowait("c")
+        assert queue.qsize() == 2
+        assert queue.arrival().done()  # items are waiting: no wait at all
+        assert queue.take_all() == ["b", "c"] and queue.empty()
+        later = asyncio.ensure_future(queue.get())
+        await asyncio.sleep(0)
+        queue.put_nowait("d")
+        assert await asyncio.wait_for(later, 1) == "d"
 
     asyncio.run(scenario())
