@@ -13,7 +13,15 @@ Last, a concurrency sweep (`--concurrency 1,2,4,8`): at each level the same numb
 on each path (raw: submitted together to the engine; gateway: concurrent streams), total tokens/s
 and median time to first token, plotted per path into a PNG next to the table (bench/plots.py).
 
+`--compare CHECKOUT` measures only the gateway's CPU per streamed token, this tree against another
+checkout (say a `git worktree` of the commit before a change), in one run: both gateways run side
+by side, each with its own worker, and at each level of `--cpu-levels` their bursts alternate
+(the order swapped every round) for `--rounds` rounds; each round's this ÷ compare is a paired
+ratio. Gateway CPU there is read from /proc/<pid>/task/*/schedstat (nanoseconds on a CPU, every
+thread), precise enough for one stream; utime and stime (10 ms ticks) are kept beside it.
+
     python bench/bench_gateway_cpu.py --model-preset medium --tokens 256 --repeats 5 --out bench/results
+    python bench/bench_gateway_cpu.py --compare /tmp/before --rounds 5 --cpu-levels 1,8,32
 """
 
 from __future__ import annotations
@@ -59,6 +67,23 @@ def cpu_seconds(pid: int) -> float:
     with open(f"/proc/{pid}/stat") as stat:
         fields = stat.read().rsplit(")", 1)[1].split()  # comm may hold spaces; cut after it
     return (int(fields[11]) + int(fields[12])) / TICK
+
+
+def run_seconds(pid: int) -> float:
+    """Time every live thread of a process spent on a CPU, in ns resolution (schedstat)."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            total += int((task / "schedstat").read_text().split()[0])
+        except (FileNotFoundError, ProcessLookupError):  # a thread that ended meanwhile
+            continue
+    return total / 1e9
+
+
+def user_system_seconds(pid: int) -> tuple[float, float]:
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    return int(fields[11]) / TICK, int(fields[12]) / TICK
 
 
 def busy_seconds() -> float:
@@ -313,6 +338,128 @@ def markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+# ---- this tree against another checkout: gateway CPU per streamed token ----------------------
+
+
+def cpu_burst(url: str, pid: int, streams: int, tokens: int, requests: int = 1) -> dict[str, float]:
+    """`streams` concurrent streams of `tokens` tokens, `requests` one after another on each; the
+    gateway's CPU per token streamed."""
+    clients = [httpx.Client(base_url=url) for _ in range(streams)]
+    try:
+        user0, sys0 = user_system_seconds(pid)
+        run0, busy0, wall0 = run_seconds(pid), busy_seconds(), time.perf_counter()
+        with ThreadPoolExecutor(streams) as pool:
+            per_client = list(pool.map(lambda c: [http_run(c, tokens) for _ in range(requests)], clients))
+        runs = [run for each in per_client for run in each]
+        run1, busy1, wall = run_seconds(pid), busy_seconds(), time.perf_counter() - wall0
+        user1, sys1 = user_system_seconds(pid)
+    finally:
+        for client in clients:
+            client.close()
+    streamed = sum(r["tokens"] for r in runs)
+    chunks = sum(len(r["times"]) for r in runs)
+    return {
+        "us_per_token": 1e6 * (run1 - run0) / streamed,
+        "user_us_per_token": 1e6 * (user1 - user0) / streamed,
+        "sys_us_per_token": 1e6 * (sys1 - sys0) / streamed,
+        "tokens": streamed,
+        "chunks": chunks,
+        "tok_s": streamed / wall,
+        # Every core's busy time but this gateway's: the worker and the client are most of it.
+        "rest_cores": (busy1 - busy0 - (run1 - run0)) / wall,
+    }
+
+
+def compare_checkouts(model_dir: Path, work: Path, args: argparse.Namespace) -> dict[str, Any]:
+    levels = [int(c) for c in args.cpu_levels.split(",")]
+    streams = max(levels)
+    settings = {"threads": 1, "max_batch_size": streams, "max_chunk_size": 2048}
+    entry = {"name": MODEL_NAME, "engine": "transformers", "path": str(model_dir), "max_seq_len": 2048,
+             "engine_settings": settings,
+             "limits": {"max_concurrent_jobs": streams, "max_queued_requests": 64}}  # fmt: skip
+    config = work / "models.yaml"
+    config.write_text(yaml.safe_dump({"models": [entry]}))
+    other = args.compare.resolve()
+    # PYTHONSAFEPATH: `python -m gateway` must not import this tree's package from its cwd.
+    envs = {"this": {"PYTHONPATH": str(REPO_ROOT), "PYTHONSAFEPATH": "1"},
+            "compare": {"PYTHONPATH": str(other), "PYTHONSAFEPATH": "1"}}  # fmt: skip
+    rows: dict[str, dict[int, list[dict[str, float]]]] = {n: {c: [] for c in levels} for n in envs}
+    with (
+        GatewayProcess(config, env=envs["this"], ready_timeout=300, log_path=work / "this.log") as this,
+        GatewayProcess(config, env=envs["compare"], ready_timeout=300, log_path=work / "compare.log") as cmp,
+    ):
+        gateways = {"this": this, "compare": cmp}
+        for gw in gateways.values():  # warm-up
+            cpu_burst(gw.url, gw.pid, 2, 64)
+        for round_no in range(args.rounds):
+            for count in levels:
+                # A request stays within the demo model's context (2048): fewer streams take turns.
+                tokens = max(args.cpu_tokens // count, 64)
+                requests = -(-tokens // 1900)
+                tokens = -(-tokens // requests)
+                order = ["this", "compare"] if round_no % 2 == 0 else ["compare", "this"]
+                for name in order:
+                    gw = gateways[name]
+                    result = cpu_burst(gw.url, gw.pid, count, tokens, requests)
+                    result["round"], result["started"] = round_no, time.time()
+                    rows[name][count].append(result)
+                    user, system = result["user_us_per_token"], result["sys_us_per_token"]
+                    print(f"round {round_no} streams {count:>3} {name:>7}: {result['us_per_token']:.1f} "
+                          f"us/token (user {user:.1f}, sys {system:.1f}), {result['chunks']} chunks / "
+                          f"{result['tokens']} tokens", flush=True)  # fmt: skip
+    commit = {name: _commit(path) for name, path in (("this", REPO_ROOT), ("compare", other))}
+    return {"levels": levels, "rounds": rows, "commits": commit, "cpu_tokens": args.cpu_tokens}
+
+
+def _commit(path: Path) -> str:
+    import subprocess
+
+    head = subprocess.run(
+        ["git", "-C", str(path), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    )
+    # What the gateway runs: changes elsewhere in the tree (tests, docs) do not make it another build.
+    dirty = subprocess.run(["git", "-C", str(path), "status", "--porcelain", "--untracked-files=no", "--",
+                            "gateway", "wire"], capture_output=True, text=True)  # fmt: skip
+    return head.stdout.strip() + ("+changes" if dirty.stdout.strip() else "")
+
+
+def compare_markdown(report: dict[str, Any]) -> str:
+    env, rows, commits = report["env"], report["rounds"], report["commits"]
+
+    def spread(values: list[float]) -> str:
+        return f"{statistics.median(values):.1f} ({min(values):.1f}-{max(values):.1f})"
+
+    lines = [
+        f"{env['cpu']}, {env['cores']} cores | {env['date']} | python {env['python']} | "
+        f"torch {env['torch']} | transformers {env['transformers']}",
+        f"demo model `{env['preset']}`, greedy, ignore_eos, /v1/completions streams with include_usage; "
+        f"about {report['cpu_tokens']} tokens per burst; this = {commits['this']}, compare = "
+        f"{commits['compare']}; {len(rows['this'][report['levels'][0]])} rounds, bursts alternating",
+        "",
+        "| streams | this µs/token (min-max) | user / sys | compare µs/token (min-max) | user / sys | "
+        "this ÷ compare, paired (min-max) | rounds lower | chunks = tokens | rest of host (cores) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for count in report["levels"]:
+        mine, theirs = rows["this"][count], rows["compare"][count]
+        ratios = [a["us_per_token"] / b["us_per_token"] for a, b in zip(mine, theirs, strict=True)]
+        lower = sum(r < 1 for r in ratios)
+        one_per_chunk = all(r["chunks"] == r["tokens"] for r in mine + theirs)
+        rest = [r["rest_cores"] for r in mine + theirs]
+
+        def parts(rs: list[dict[str, float]]) -> str:
+            user = statistics.median(r["user_us_per_token"] for r in rs)
+            return f"{user:.1f} / {statistics.median(r['sys_us_per_token'] for r in rs):.1f}"
+
+        lines.append(
+            f"| {count} | {spread([r['us_per_token'] for r in mine])} | {parts(mine)} | "
+            f"{spread([r['us_per_token'] for r in theirs])} | {parts(theirs)} | "
+            f"{statistics.median(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f}) | "
+            f"{lower} of {len(ratios)} | {one_per_chunk} | {min(rest):.2f}-{max(rest):.2f} |"
+        )
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model-preset", default="medium", choices=["small", "medium"])
@@ -329,9 +476,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--idle-s", type=float, default=2.0, help="idle window for the baseline CPU rate")
     parser.add_argument("--concurrency", default="1,2,4,8", help="levels of the sweep (at most --streams)")
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    parser.add_argument("--compare", type=Path, help="another checkout: gateway CPU per token, this vs it")
+    parser.add_argument("--rounds", type=int, default=5, help="with --compare: rounds per level")
+    parser.add_argument("--cpu-levels", default="1,8,32", help="with --compare: concurrent streams per burst")
+    parser.add_argument(
+        "--cpu-tokens", type=int, default=4096, help="with --compare: tokens per burst, all streams"
+    )
     args = parser.parse_args(argv)
 
     from gateway.demo.model import make_demo_model
+
+    if args.compare is not None:
+        return compare_main(args)
 
     report: dict[str, Any] = {"env": environment(args)}
     with tempfile.TemporaryDirectory(prefix="bench-gw-cpu-") as tmp:
@@ -359,6 +515,24 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(table)
     print(f"\nwrote {args.out / stem}.md, .json and .png")
+    return 0
+
+
+def compare_main(args: argparse.Namespace) -> int:
+    from gateway.demo.model import make_demo_model
+
+    report: dict[str, Any] = {"env": environment(args)}
+    with tempfile.TemporaryDirectory(prefix="bench-gw-cpu-") as tmp:
+        work = Path(tmp)
+        model_dir = make_demo_model(work / "model", preset=args.model_preset, seed=0)
+        report.update(compare_checkouts(model_dir, work, args))
+    table = compare_markdown(report)
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = f"gateway_cpu_compare_{report['env']['date'].replace(':', '')}"
+    (args.out / f"{stem}.md").write_text(table + "\n")
+    (args.out / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
+    print(table)
+    print(f"\nwrote {args.out / stem}.md and .json")
     return 0
 
 
