@@ -95,6 +95,8 @@ class EtcdWants:
         loop = asyncio.get_running_loop()
         next_refresh = 0.0
         while True:
+            # Cleared before the writes: a want that comes while they wait on etcd is seen next turn.
+            self._changed.clear()
             try:
                 if self._lease_id is None:
                     self._lease_id = (await self._session.call("lease", self._ttl_s)).id
@@ -112,7 +114,6 @@ class EtcdWants:
                 await self._session.failed(exc)
                 await asyncio.sleep(self._retry_interval_s)
                 continue
-            self._changed.clear()
             try:
                 await asyncio.wait_for(self._changed.wait(), max(next_refresh - loop.time(), 0.0))
             except asyncio.TimeoutError:
