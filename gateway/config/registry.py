@@ -127,12 +127,15 @@ class ModelConfig(_Strict):
     )
     remote: bool = Field(False, description="Served only by workers that connect from other hosts.")
     load: Literal["startup", "on_demand"] = Field(
-        "startup", description="on_demand: loaded at its first request, which waits (within its deadline)."
+        "startup",
+        description="on_demand: loaded at its first request, which waits (within its deadline). In "
+        "cluster mode (backend etcd) its listening workers stand by and the leading gateway loads one.",
     )
     idle_unload_s: float | None = Field(
         None,
         gt=0,
-        description="Unload after this long without requests (the worker exits, its VRAM is free).",
+        description="Unload after this long without requests (the worker exits, its VRAM is free; in "
+        "cluster mode the leading gateway sends the listening worker back to standby).",
     )
     engine_settings: dict[str, Any] = Field(
         default_factory=dict,
@@ -146,7 +149,7 @@ class ModelConfig(_Strict):
         None,
         min_length=1,
         description="Models in one group share GPUs: loading one on demand first drains and unloads the "
-        "others (llama-swap's swap).",
+        "others (llama-swap's swap). In cluster mode (backend etcd), the others on the same host.",
     )
     task: Literal["generate", "embed"] = Field(
         "generate",
