@@ -3,8 +3,10 @@
 Runs in the pytest process. Owns `HaCluster`: on a LAN of network namespaces (tests.cluster_ha_net)
 three gateways (gw-1..gw-3, each on its own host, port 8000), two hosts with one listening worker
 each (`model-worker --listen`, transformers on the demo model: two replicas of model `ha`), a third
-worker host whose worker (the spare, replica 2) only the cases that need one start, Redis on a host
-of its own (rate limits shared by the gateways), and HAProxy in the test's own namespace, round
+worker host whose worker (the spare, replica 2) only the cases that need one start, with etcd a
+fourth worker host whose worker serves a `load: on_demand` model (`ha-lazy`, slow to load: the fault
+engine's FAULT_LOAD_DELAY_S) and stands by until the leader loads it, Redis on a host of its own
+(rate limits shared by the gateways), and HAProxy in the test's own namespace, round
 robin over the gateways (tests.haproxy_server). How the gateways find the workers is a parameter,
 `membership`: `EtcdMembership` runs etcd on a host of its own (the workers register themselves
 there, the gateways watch it and elect a leader); `StaticMembership` lists the workers in every
@@ -13,6 +15,7 @@ gateway's registry and runs nothing.
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -31,6 +34,10 @@ from tests.integration.conftest import demo_entry, write_registry
 from tests.redis_server import RedisServer
 
 MODEL = "ha"
+# Loaded on demand by the leading gateway (etcd only): its load takes FAULT_LOAD_DELAY_S more, so a
+# case can kill the leader while the load is in flight.
+LAZY_MODEL = "ha-lazy"
+TEST_ENGINES = {"GATEWAY_ALLOW_TEST_ENGINES": "1"}
 GATEWAYS = ("gw-1", "gw-2", "gw-3")
 GATEWAY_PORT, WORKER_PORT, REDIS_PORT, ETCD_PORT, ETCD_PEER_PORT = 8000, 5601, 6379, 2379, 2380
 # The leader's lease: short, so that a dead leader is replaced in seconds. The workers' lease is long:
@@ -168,7 +175,7 @@ class ClusterGateway(GatewayProcess):
     """A gateway on a host of the LAN (port 8000 there); the admin API with the admin key."""
 
     def __init__(self, config_path: Path, host: Host, log_path: Path) -> None:
-        super().__init__(config_path, wait_ready=False, log_path=log_path)
+        super().__init__(config_path, wait_ready=False, log_path=log_path, env=TEST_ENGINES)
         self.host = host
         self.port = GATEWAY_PORT
         self.url = f"http://{host.ip}:{GATEWAY_PORT}"
@@ -276,10 +283,11 @@ class HaCluster:
             Worker(f"{MODEL}@host-{x}", n, self.lan.add_host(f"host-{x}", 21 + n), f"worker-{x}")
             for n, x in enumerate("abc")
         ]
+        self.lazy = Worker(f"{LAZY_MODEL}@host-d", 0, self.lan.add_host("host-d", 24), "worker-d")
         self.redis = NetnsRedis(self.root, self.lan.add_host("redis", 30))
         subprocess.run(
             [sys.executable, "-m", "gateway", "keys", str(self.keys), "--name", "gateway",
-             *[arg for w in [*self.workers, self.spare] for arg in ("--name", w.key_name)]],
+             *[arg for w in [*self.workers, self.spare, self.lazy] for arg in ("--name", w.key_name)]],
             check=True, cwd=REPO_ROOT, capture_output=True,
         )  # fmt: skip
         _keys_file(self.root / "keys.yaml")
@@ -307,9 +315,14 @@ class HaCluster:
         }
         cluster = {**self.membership.cluster_section(self.workers, self.keys), "identity": gateway,
                    "secret_key_file": str(self.keys / "gateway.key_secret")}  # fmt: skip
+        models = [demo_entry(MODEL, self.model_dir, remote=True, limits=limits)]
+        if self.membership.name == "etcd":  # only the etcd leader loads on demand in cluster mode
+            models.append(demo_entry(LAZY_MODEL, self.model_dir, remote=True, load="on_demand",
+                                     engine="test:tests.fault_engines.FaultyEngine",
+                                     env={"FAULT_LOAD_DELAY_S": "3"}, limits=limits))  # fmt: skip
         return write_registry(
             self.root / f"{gateway}.yaml",
-            [demo_entry(MODEL, self.model_dir, remote=True, limits=limits)],
+            models,
             heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S,
             api_keys_file="keys.yaml",
             redis_url=self.redis.url,
@@ -317,15 +330,17 @@ class HaCluster:
         )
 
     def start_worker(self, worker: Worker) -> None:
+        model = worker.worker_id.split("@")[0]
         cmd = worker.host.command(
             sys.executable, "-m", "model_worker", "--listen", worker.endpoint,
-            "--config", str(self.configs[GATEWAYS[0]]), "--model", MODEL, "--worker-id", worker.worker_id,
+            "--config", str(self.configs[GATEWAYS[0]]), "--model", model, "--worker-id", worker.worker_id,
             "--curve-secret-key", str(self.keys / f"{worker.key_name}.key_secret"),
             "--gateway-public-key", str(self.keys / "gateway.key"), "--shutdown-grace-s", "1",
             *self.membership.worker_args(worker),
         )  # fmt: skip
         with open(self.worker_log_path(worker), "ab") as log:  # the child keeps its own copy of the fd
-            process = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)
+            process = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                       env={**os.environ, **TEST_ENGINES})  # fmt: skip
         self.worker_processes[worker.worker_id] = process
 
         def stop() -> None:
@@ -366,8 +381,9 @@ class HaCluster:
         process = self.worker_processes.get(worker.worker_id)
         return process is not None and process.poll() is None
 
-    def wait_ready_everywhere(self, worker: Worker, timeout: float = 180) -> None:
-        """Every gateway alive sees `worker` ready (a fresh worker loads its model first)."""
+    def wait_ready_everywhere(self, worker: Worker, timeout: float = 180, state: str = "ready") -> None:
+        """Every gateway alive sees `worker` ready (a fresh worker loads its model first), or in
+        `state` (`unloaded`: a standby worker)."""
         for gateway in self.gateways.values():
             if gateway.process is None or gateway.process.poll() is not None:
                 continue  # a gateway a case killed
@@ -375,8 +391,8 @@ class HaCluster:
             def context(g: ClusterGateway = gateway) -> str:
                 return self.worker_log(worker)[-2000:] + "\n--- gateway:\n" + g.events()
 
-            wait_until(lambda g=gateway: g.worker_state(worker.worker_id) == "ready",
-                       f"{worker.worker_id} ready in {gateway.url}", timeout, context=context)  # fmt: skip
+            wait_until(lambda g=gateway: g.worker_state(worker.worker_id) == state,
+                       f"{worker.worker_id} {state} in {gateway.url}", timeout, context=context)  # fmt: skip
 
     def wait_whole(self) -> None:
         """Every gateway ready, seeing every worker ready, and UP in HAProxy."""
@@ -414,8 +430,10 @@ class HaCluster:
         return found
 
 
-def direct_completion(gateway: ClusterGateway, api_key: str) -> int:
+def direct_completion(gateway: ClusterGateway, api_key: str, model: str = MODEL, timeout: float = 30) -> int:
     """One short completion sent to this gateway itself (not through HAProxy): its status."""
-    body = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+    body = {"model": model, "prompt": "hi", "max_tokens": 2}
     headers = {"Authorization": f"Bearer {api_key}"}
-    return httpx.post(gateway.url + "/v1/completions", json=body, headers=headers, timeout=30).status_code
+    return httpx.post(
+        gateway.url + "/v1/completions", json=body, headers=headers, timeout=timeout
+    ).status_code
