@@ -170,7 +170,7 @@ def test_a_request_at_the_follower_loads_once_and_an_idle_worker_goes_back_to_st
 def test_loading_a_model_of_an_exclusive_group_unloads_the_other_on_its_host(
     cluster: OnDemandCluster,
 ) -> None:
-    cluster.start_worker("first")
+    first = cluster.start_worker("first")
     cluster.start_worker("second")
     with _two_gateways(cluster) as (leader, follower):
         for worker_id in ("first@w", "second@w"):
@@ -186,6 +186,13 @@ def test_loading_a_model_of_an_exclusive_group_unloads_the_other_on_its_host(
         unloaded_at = leader.log().index("decided: unload first@w")
         assert unloaded_at < leader.log().index("decided: load second@w")
         _in_every([leader, follower], "first@w", "unloaded", "swapped out", 30)
+
+        # A standby worker stopped (SIGTERM) exits at once and leaves every gateway's view.
+        first.send_signal(signal.SIGTERM)
+        assert first.wait(30) == 0, cluster.worker_log("first")[-3000:]
+        for gateway in (leader, follower):
+            wait_until(lambda gateway=gateway: _state(gateway, "first@w") is None,
+                       "the stopped worker to leave the view", TTL_S, context=gateway.events)  # fmt: skip
 
 
 def test_the_leader_killed_during_an_on_demand_load_the_load_happens_once(cluster: OnDemandCluster) -> None:
