@@ -24,6 +24,11 @@ from gateway.errors import InvalidRequest, ModelNotFound, QueueFull, RequestTime
 from gateway.serving.priority import effective_rank, request_priority
 from wire.states import MAY_SERVE, WorkerState, model_state
 
+# A replica that will be ready without being asked: loading, or coming back from a crash.
+ON_ITS_WAY = frozenset(
+    {WorkerState.STARTING, WorkerState.LOADING, WorkerState.WARMING, WorkerState.RESTARTING}
+)
+
 if TYPE_CHECKING:
     from gateway.link.handle import WorkerHandle
 
@@ -114,9 +119,7 @@ class ModelRoute:
         remote worker; an unloaded on-demand model loads for its request instead), or "queue_full"
         (it would be refused at once); None if it would be admitted or wait its turn."""
         if not any(r.ready for r in self.replicas):
-            if self.replicas and all(r.state is WorkerState.UNLOADED for r in self.replicas):
-                return None if self.config.load == "on_demand" else "no_ready_worker"
-            return "no_ready_worker"
+            return None if self._to_load_on_demand() else "no_ready_worker"
         if not self._waiters and self._place_slots([0] * choices, frozenset()) is not None:
             return None
         limits = self.config.limits
@@ -136,12 +139,19 @@ class ModelRoute:
             )
         return min(ready, key=lambda r: r.in_flight)
 
+    def _to_load_on_demand(self) -> list[WorkerHandle]:
+        """The unloaded replicas of an on-demand model to load for a waiting request: every one,
+        when none is ready or on its way (others may be lost or failed)."""
+        if self.config.load != "on_demand" or any(r.ready or r.state in ON_ITS_WAY for r in self.replicas):
+            return []
+        return [r for r in self.replicas if r.state is WorkerState.UNLOADED]
+
     def _unservable_reason(self) -> str | None:
+        if to_load := self._to_load_on_demand():
+            for replica in to_load:
+                self._launch(replica)  # the request waits in the queue while it loads
+            return None
         if self.replicas and all(r.state is WorkerState.UNLOADED for r in self.replicas):
-            if self.config.load == "on_demand":
-                for replica in self.replicas:
-                    self._launch(replica)  # the request waits in the queue while it loads
-                return None
             name = self.config.name
             return f"model '{name}' is unloaded; load it with POST /admin/models/{name}/load"
         if not self.replicas:

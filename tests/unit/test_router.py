@@ -179,6 +179,27 @@ def test_unloaded_models_load_on_demand_or_say_how_to_load() -> None:
         run(manual.acquire(soon()))
 
 
+def test_an_on_demand_model_loads_its_unloaded_replicas_when_the_others_are_lost() -> None:
+    on_demand = ModelConfig(name="m", engine="transformers", path=Path("x"), load="on_demand")
+    for states, loads in (
+        ((S.LOST, S.UNLOADED), {"m#0-r1"}),  # a standby worker beside a lost one: loaded
+        ((S.FAILED, S.UNLOADED, S.UNLOADED), {"m#0-r1", "m#0-r2"}),
+        ((S.RESTARTING, S.UNLOADED), set()),  # one is on its way back: the request waits for it
+        ((S.LOADING, S.UNLOADED), set()),
+    ):
+        launched: list[WorkerHandle] = []
+        route = ModelRoute(on_demand, replicas(on_demand, *states), launched.append)
+        # A model it loads for the request keeps it (no fallback); one on its way is not ready yet.
+        assert route.fallback_reason(1, 10) == (None if loads else "no_ready_worker"), states
+
+        async def scenario(route: ModelRoute = route) -> None:
+            with pytest.raises(RequestTimeout):  # the load never comes here
+                await route.acquire(time.monotonic() + 0.05)
+
+        run(scenario())
+        assert {h.id for h in launched} == loads, states
+
+
 def test_a_request_moves_only_to_a_replica_that_may_still_serve() -> None:
     route = route_of(S.READY, S.RESTARTING, S.FAILED)
     assert route.has_other_replica(frozenset({"m#0-r0"}))  # r1 comes back after its restart
