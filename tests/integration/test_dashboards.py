@@ -98,9 +98,10 @@ def test_every_metric_the_dashboard_and_rules_name_is_exported(two_model_gateway
         name for expr in rule_expressions() + dashboard_expressions() for name in METRIC_NAME.findall(expr)
     }
     assert named, "the expressions name metrics"
-    source = (REPO_ROOT / "gateway" / "observability" / "metrics.py").read_text()
+    observability = REPO_ROOT / "gateway" / "observability"
+    source = "".join((observability / name).read_text() for name in ("metrics.py", "worker_collector.py"))
     for name in sorted(named):
         if name in GPU_ONLY:
-            assert f'"{name}"' in source, f"{name} is no longer defined in gateway/observability/metrics.py"
+            assert f'"{name}"' in source, f"{name} is no longer defined in gateway/observability"
             continue
         assert name in exported, f"{name} is named by the dashboard or the rules but not exported"
