@@ -22,9 +22,8 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING
 
-from gateway.cluster.etcd_session import UNREACHABLE
-from gateway.cluster.etcd_wants import EtcdWants
 from gateway.cluster.membership import Leader, WorkerRecord, cancel_and_wait, decide_once
 from gateway.cluster.settings import ClusterConfig
 from gateway.config.registry import Registry
@@ -32,6 +31,9 @@ from gateway.link.handle import WorkerHandle
 from gateway.link.worker_link import WorkerLink
 from gateway.workers.cluster_plan import Action, WorkerView, plan
 from wire import messages as wire
+
+if TYPE_CHECKING:  # etcd's client is imported only where on-demand loads run, never on a single host
+    from gateway.cluster.etcd_wants import EtcdWants
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +78,7 @@ class ClusterLoads:
     ) -> ClusterLoads:
         """Wants in the cluster's etcd; a worker's host is its advertised endpoint's (exclusive groups)."""
         from gateway.cluster.backends import identity
+        from gateway.cluster.etcd_wants import EtcdWants
 
         assert cluster.etcd is not None
 
@@ -102,6 +105,8 @@ class ClusterLoads:
         self._wants.satisfied(model)
 
     async def _run(self) -> None:
+        from gateway.cluster.etcd_session import UNREACHABLE
+
         while True:
             await asyncio.sleep(TICK_S)
             if not self._leader.is_leader:
