@@ -48,6 +48,14 @@ def prompts(count: int) -> list[str]:
     return [f"Stream {i:03d}. {PROMPT}" for i in range(count)]
 
 
+# --split: (path, registry name, engine settings over GPUs 0 and 1). The layer split is given GB per GPU,
+# since autosplit would keep an 8B model whole on an 80 GB GPU.
+SPLITS = (
+    ("gateway, layers over 2 GPUs", "m-layers", {"gpu_split": [12.0, 14.0]}),
+    ("gateway, tensor-parallel over 2 GPUs", "m-tp", {"tensor_parallel": True}),
+)
+
+
 def settings(args: argparse.Namespace) -> dict[str, Any]:
     if args.unpaged:  # exllamav2 without paged attention: one job at a time, a cache of one job
         return {"paged": False, "max_chunk_size": 2048}
@@ -136,6 +144,10 @@ def run_overhead(args: argparse.Namespace, report: dict[str, Any]) -> None:
     if args.compare_threads:  # the same model, as shipped before: torch's default intra-op threads
         threads = {name: str(default_threads) for name in CPU_THREAD_VARIABLES}
         models.append(registry_entry("m-threads", args.engine, args.model, [0], args, threads))
+    for _path, name, split in SPLITS if args.split else ():  # the same model over GPUs 0 and 1
+        entry = registry_entry(name, args.engine, args.model, [0, 1], args)
+        entry["engine_settings"].update(split)
+        models.append(entry)
     config = write_registry(args.out_dir / "bench.yaml", models)
     report["settings"]["raw_threads"] = args.raw_threads
     report["settings"]["torch_default_threads"] = default_threads
@@ -175,6 +187,8 @@ def run_overhead(args: argparse.Namespace, report: dict[str, Any]) -> None:
                     partial(http_round, gw.url, "m-threads", texts, args.new_tokens, None),
                     pids.get("m-threads"),
                 )
+            for path, name, _ in SPLITS if args.split else ():
+                run[path] = (partial(http_round, gw.url, name, texts, args.new_tokens, None), pids.get(name))
             if args.peer:
                 run["peer"] = (
                     partial(http_round, args.peer, args.peer_model, texts, args.new_tokens, None),
@@ -191,6 +205,8 @@ def run_overhead(args: argparse.Namespace, report: dict[str, Any]) -> None:
                 row = {"path": path, "streams": count, **summarize(done)}
                 if path != "raw" and "raw" in rounds:
                     row.update(paired(done, rounds["raw"]))
+                if path.startswith("gateway, ") and "over 2 GPUs" in path:  # the split against one GPU
+                    row.update({f"one_gpu_{k}": v for k, v in paired(done, rounds["gateway"]).items()})
                 worker_cpu = [r.worker_cpu_s for r in done if r.worker_cpu_s is not None]
                 if len(worker_cpu) == len(done):
                     row["worker_cpu_pct"] = round(100 * sum(worker_cpu) / sum(r.seconds for r in done), 1)
@@ -354,6 +370,11 @@ def markdown(report: dict[str, Any]) -> str:
             lines.append(
                 f"| {count} streams: logprobs 1 total tok/s >= 0.90 x without | {ratio:.3f} | {met} |"
             )
+    for r in report["rows"]:
+        if "one_gpu_paired_ratio" in r:
+            spread = f"turns {r['one_gpu_paired_ratio_min']:.3f}-{r['one_gpu_paired_ratio_max']:.3f}"
+            lines.append(f"| {r['path']}, {r['streams']} streams: tok/s / one GPU's | "
+                         f"{r['one_gpu_paired_ratio']:.3f} ({spread}) | - |")  # fmt: skip
     for m in report["mixed"]:
         met = "yes" if m["ratio"] >= 0.95 else "**no**"
         target = f"mixed registry: {m['model']}, {m['streams']} streams, other model busy >= 0.95 x alone"
@@ -404,6 +425,11 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="also raw and gateway rounds with the engine's thread pinned to one physical core of its own",
     )
+    parser.add_argument(
+        "--split",
+        action="store_true",
+        help="exllamav3 on two GPUs: also the gateway with the model split by layers and tensor-parallel",
+    )
     parser.add_argument("--peer", help="another OpenAI-compatible server's URL, driven by the same client")
     parser.add_argument("--peer-model", default="m", help="the model name to send to --peer")
     parser.add_argument("--trace", action="store_true", help="per-step traces of raw, engine and gateway")
@@ -414,6 +440,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.unpaged and args.engine != "exllamav2":
         parser.error("--unpaged is exllamav2's paged: false")
+    if args.split and args.engine != "exllamav3":
+        parser.error("--split is exllamav3's layer split and tensor parallelism")
     args.streams = [int(s) for s in args.streams.split(",") if s]
     args.paths = args.paths.split(",")
     args.logprob_streams = [int(s) for s in args.logprob_streams.split(",") if s]
@@ -434,6 +462,7 @@ def main(argv: list[str] | None = None) -> int:
         "rows": [], "logprobs": [], "mixed": [], "errors": [],
     }  # fmt: skip
     stem = f"bench_{args.engine if not args.skip_overhead else 'mixed'}{'-unpaged' if args.unpaged else ''}"
+    stem += "-split" if args.split else ""
 
     def save() -> str:
         report["targets"] = [

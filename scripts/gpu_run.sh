@@ -15,7 +15,8 @@
 #
 #   GPU_RUN_STAGES    stages, in order (default "tests bench-v2 bench-v3"); also "bench-v2-unpaged"
 #                     (exllamav2 with paged: false, one stream), "two-gpus" (tests
-#                     and benchmark that need two GPUs), "spec" (speculative decoding), "real-model"
+#                     and benchmark that need two GPUs), "split" (exllamav3 by layers and tensor-parallel
+#                     over two GPUs against one), "spec" (speculative decoding), "real-model"
 #                     (train a small Llama here, convert it to EXL2 and EXL3, and test it against
 #                     transformers: tests/gpu/test_real_model_gpu.py), "quant-bench" (see
 #                     QUANT_PRESET), or a pytest path such as
@@ -194,7 +195,11 @@ m('$qmodel', preset='$preset', seed=0, device='cuda')"
         two-gpus)
             if ((gpus < 2)); then status[two-gpus]="skipped (one GPU)"; continue; fi
             run_pytest two-gpus 240 "${two_gpu_tests[@]}"
-            run_bench bench-mixed 120 --skip-overhead --mixed-model "$GPU_TEST_BIG_MODEL" ;;
+            run_bench bench-mixed 120 --skip-overhead --mixed-model "$GPU_TEST_BIG_MODEL" --new-tokens 128 ;;
+        split)  # exllamav3 over two GPUs (layers, tensor-parallel) against one GPU, interleaved
+            if ((gpus < 2)); then status[split]="skipped (one GPU)"; continue; fi
+            run_bench bench-split "${BENCH_CAP_S:-200}" --engine exllamav3 --split --paths raw,gateway \
+                --streams 1,64 --new-tokens 128 --rounds 3 --logprob-streams= --cache-size 32768 ;;
         spec)  # speculative decoding: plain vs n-gram vs a draft model sharing the 8B shape's vocabulary
             limit=$(allow 200)
             say "stage spec (limit ${limit}s)"
