@@ -161,6 +161,7 @@ def assert_same_tokens(
 def write_registry(path: Path, models: list[dict[str, Any]], **server: Any) -> Path:
     """A registry YAML (JSON is valid YAML) for GatewayProcess."""
     body = {"server": {"worker_start_timeout_s": 300, "shutdown_grace_s": 2, **server}, "models": models}
+    path.parent.mkdir(parents=True, exist_ok=True)  # a test may give each gateway a folder of its own
     path.write_text(json.dumps(body, indent=2))
     return path
 
