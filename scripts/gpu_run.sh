@@ -199,7 +199,7 @@ m('$qmodel', preset='$preset', seed=0, device='cuda')"
         split)  # exllamav3 over two GPUs (layers, tensor-parallel) against one GPU, interleaved
             if ((gpus < 2)); then status[split]="skipped (one GPU)"; continue; fi
             run_bench bench-split "${BENCH_CAP_S:-200}" --engine exllamav3 --split --paths raw,gateway \
-                --streams 1,64 --new-tokens 128 --rounds 3 --logprob-streams= --cache-size 32768 ;;
+                --streams "${SPLIT_STREAMS:-1,64}" --new-tokens 128 --rounds 3 --logprob-streams= --cache-size 32768 ;;
         spec)  # speculative decoding: plain vs n-gram vs a draft model sharing the 8B shape's vocabulary
             limit=$(allow 200)
             say "stage spec (limit ${limit}s)"
