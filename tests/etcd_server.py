@@ -2,7 +2,8 @@
 
 Runs in the pytest process. `EtcdServer` starts Debian's etcd (package etcd-server; .ci/run
 installs it) on free loopback ports with a data folder under the test's temp dir, and can kill it
-(SIGKILL, as a crash) and start it again on the same ports and data.
+(SIGKILL, as a crash) and start it again on the same ports and data. `etcd_cluster_section` is
+the registry's `server.cluster` that the cluster tests give their gateways and workers.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import shutil
 import signal
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -70,3 +72,16 @@ class EtcdServer:
     def log(self) -> str:
         path = self.folder / "etcd.log"
         return path.read_text(errors="replace") if path.exists() else ""
+
+
+def etcd_cluster_section(etcd: EtcdServer, keys: Path, prefix: str, ttl_s: float) -> dict[str, Any]:
+    """`server.cluster` on backend etcd: the gateway's key from `keys` (`gateway keys`), leases of
+    `ttl_s` for workers and the leader, and short timeouts and retries, so a test sees handovers
+    within seconds."""
+    return {
+        "backend": "etcd",
+        "secret_key_file": str(keys / "gateway.key_secret"),
+        "etcd": {"endpoints": [etcd.endpoint], "prefix": prefix,
+                 "worker_ttl_s": ttl_s, "leader_ttl_s": ttl_s,
+                 "request_timeout_s": 0.5, "retry_interval_s": 0.2},
+    }  # fmt: skip
