@@ -108,6 +108,10 @@ class EtcdReloads:
         )
         await self._call("delete", self._pending_key(request.fingerprint))
 
+    async def finished(self, fingerprint: str) -> bool:
+        """Whether no reload of this change is pending (the last one finished)."""
+        return await self._call("get", self._pending_key(fingerprint)) is None
+
     async def leader(self) -> str | None:
         """The identity of the gateway that leads now, as etcd says (None: no leader)."""
         found = await self._call("get", f"{self._prefix}leader".encode())

@@ -93,6 +93,17 @@ class ClusterReloads:
             "decided_by": "the leading gateway, one replica at a time",
         }
 
+    async def progress(self, asked: dict[str, object]) -> str:
+        """Where a reload this gateway asked for (`ask`'s answer) stands: `restarting` while the
+        leader restarts its workers, `applied` once it recorded them all ready again."""
+        if not asked["workers"]:
+            return "applied"
+        try:
+            finished = await self._reloads.finished(str(asked["fingerprint"]))
+        except TROUBLE:
+            return "unknown (etcd did not answer)"
+        return "applied" if finished else "restarting"
+
     async def _run(self) -> None:
         while True:
             await asyncio.sleep(TICK_S)

@@ -9,9 +9,9 @@ Real processes: etcd (Debian's etcd-server, on free loopback ports), two gateway
 - at the follower: the leader restarts each worker in place (Unload, then Load, reading the file
   again), the second only once the first is ready again, while requests at both gateways keep
   being served; the same reload asked of the leader afterwards restarts nothing more;
-- the leader SIGKILLed while the first worker reloads (a slow load: the fault engine's
+- at the leader, SIGKILLed while the first worker reloads (a slow load: the fault engine's
   FAULT_LOAD_DELAY_S): the follower takes over within the lease's TTL and finishes the reload,
-  each worker restarted exactly once.
+  each worker restarted exactly once, while requests at the follower are served throughout.
 
 Every wait is on an event.
 """
@@ -128,6 +128,12 @@ def _reloaded(gateway: GatewayProcess, worker_id: str) -> bool:
     return row.get("state") == "ready" and row["info"].get("max_seq_len") == 1024
 
 
+def _workers_reload(gateway: GatewayProcess) -> str:
+    """The status of the leader's restarts for the gateway's latest reload, as it reads etcd."""
+    latest = httpx.get(gateway.url + "/admin/reload", timeout=5).json()
+    return str(latest["workers_reload"]["status"])
+
+
 def _leads(gateway: GatewayProcess) -> bool:
     view = httpx.get(gateway.url + "/admin/cluster", timeout=5).json()["leader_election"]
     return bool(view["leader"])
@@ -207,6 +213,7 @@ def test_a_reload_at_the_follower_restarts_each_worker_once_one_at_a_time(make_c
         body = _reload(follower)
         asked = body["workers_reload"]
         assert asked["workers"] == list(WORKERS) and asked["models"] == ["shared"], asked
+        assert asked["status"] in ("restarting", "applied"), asked
         assert (
             asked["leader"] == httpx.get(leader.url + "/admin/cluster").json()["leader_election"]["identity"]
         )
@@ -218,7 +225,8 @@ def test_a_reload_at_the_follower_restarts_each_worker_once_one_at_a_time(make_c
                     120,
                     context=gateway.events,
                 )
-        wait_until(lambda: "applied: model(s) shared" in _full_log(leader), "the reload to finish", 30)
+        wait_until(lambda: _workers_reload(follower) == "applied", "the reload to finish", 30)
+        assert "applied: model(s) shared" in _full_log(leader)
 
         # The same reload asked of the leader: its routes follow; no worker is restarted again.
         again = _reload(leader)["workers_reload"]
@@ -247,7 +255,7 @@ def test_the_leader_killed_mid_reload_the_next_leader_finishes_it_once(make_clus
     cluster: ReloadCluster = make_cluster(4.0)  # each load takes 4 s: the kill lands in one
     with _two_gateways(cluster) as (leader, follower), _asking([follower]) as statuses:
         cluster.write(max_seq_len=1024)
-        _reload(follower)
+        _reload(leader)  # asked of the leader itself, which then dies: the request outlives it
         wait_until(
             lambda: any(NEW_SETTINGS in cluster.worker_log(w) for w in WORKERS),
             "the first worker to begin loading its new settings",
