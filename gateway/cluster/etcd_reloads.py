@@ -53,6 +53,7 @@ class EtcdReloads:
     def __init__(self, settings: EtcdSettings) -> None:
         self._prefix = settings.prefix
         self._session = EtcdSession(settings.endpoints, settings.request_timeout_s)
+        self._unreadable: set[str] = set()  # pending keys that are no request, reported once
 
     def _pending_key(self, fingerprint: str) -> bytes:
         return f"{self._prefix}reloads/pending/{fingerprint}".encode()
@@ -91,8 +92,16 @@ class EtcdReloads:
         """Every reload asked for and not finished, the oldest first."""
         prefix = f"{self._prefix}reloads/pending/".encode()
         listing = await self._call("get_prefix", prefix)
-        ordered = sorted(listing, key=lambda kv: kv.create_revision)
-        return [ReloadRequest.decode(kv.key[len(prefix) :].decode(), kv.value) for kv in ordered]
+        requests = []
+        for kv in sorted(listing, key=lambda kv: kv.create_revision):
+            key = kv.key.decode(errors="replace")
+            try:
+                requests.append(ReloadRequest.decode(key[len(prefix) :], kv.value))
+            except (ValueError, KeyError, TypeError) as exc:  # not written by a gateway: said once
+                if key not in self._unreadable:
+                    self._unreadable.add(key)
+                    logger.error("etcd key %s is not a reload request (%s): skipped; delete it", key, exc)
+        return requests
 
     async def claimed(self, fingerprint: str) -> set[str]:
         """The decisions taken for this change so far (names as given to `Leader.claim`)."""

@@ -13,11 +13,15 @@ Real processes: etcd (Debian's etcd-server, on free loopback ports), two gateway
   FAULT_LOAD_DELAY_S): the follower takes over within the lease's TTL and finishes the reload,
   each worker restarted exactly once, while requests at the follower are served throughout.
 
+And, in this process, the records themselves: one change asked twice is asked once, a finished
+reload is recorded with each worker's incarnation, and a pending key that is no request is skipped.
+
 Every wait is on an event.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import signal
@@ -31,6 +35,9 @@ from typing import Any
 import httpx
 import pytest
 
+from gateway.cluster.etcd_reloads import EtcdReloads, ReloadRequest
+from gateway.cluster.etcd_session import EtcdSession
+from gateway.cluster.settings import EtcdSettings
 from tests.etcd_server import EtcdServer, etcd_cluster_section
 from tests.harness import REPO_ROOT, GatewayProcess, free_port, wait_until
 from tests.integration.conftest import demo_entry, write_registry
@@ -279,3 +286,31 @@ def test_the_leader_killed_mid_reload_the_next_leader_finishes_it_once(make_clus
     for worker_id in WORKERS:  # exactly once, across the handover
         assert cluster.worker_log(worker_id).count(UNLOADING) == 1
         assert cluster.worker_log(worker_id).count(NEW_SETTINGS) == 1
+
+
+def test_one_change_is_asked_once_and_a_key_that_is_no_request_is_skipped(tmp_path: Path) -> None:
+    etcd = EtcdServer(tmp_path)
+    etcd.start()
+
+    async def scenario() -> None:
+        settings = EtcdSettings(endpoints=[etcd.endpoint], prefix="/records/")
+        reloads = EtcdReloads(settings)
+        try:
+            first = ReloadRequest("fp1", ("a",), {"a@x": "7-0"}, "gw-1")
+            assert await reloads.ask(first) == first
+            # The same change from another gateway, which saw other incarnations: the first stands.
+            assert await reloads.ask(ReloadRequest("fp1", ("a",), {"a@x": "7-1"}, "gw-2")) == first
+            writer = EtcdSession(settings.endpoints, settings.request_timeout_s)  # not a gateway
+            await writer.call("put", b"/records/reloads/pending/junk", b"not json")
+            await writer.close()
+            assert await reloads.pending() == [first]
+            assert not await reloads.finished("fp1")
+            await reloads.finish(first, {"a@x": "7-1"}, "gw-1")
+            assert await reloads.finished("fp1") and await reloads.applied("fp1") == {"a@x": "7-1"}
+        finally:
+            await reloads.close()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        etcd.kill()
