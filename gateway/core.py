@@ -80,7 +80,9 @@ class Gateway:
 
     async def apply_registry(self, new: Registry) -> dict[str, Any]:
         """Move the running set to `new`: start added models, drain and stop removed ones,
-        restart changed ones, leave unchanged ones untouched (their requests never notice).
+        restart changed ones, leave unchanged ones untouched (their requests never notice). In
+        cluster mode a changed remote model keeps its listening workers (they are not this
+        gateway's to restart; gateway.reloads asks the leader to).
 
         Requests waiting for a removed model end at once; requests running on a removed or changed
         model's workers may finish within shutdown_grace_s, then end (each through its owner's
@@ -93,15 +95,26 @@ class Gateway:
         ended = 0
         for name in changes["removed"]:
             ended += self.service.abort_queued(name, _removed(name))
-        retiring = []
+        retiring: list[WorkerHandle] = []
+        listening: dict[str, list[WorkerHandle]] = {}
         for name in changes["removed"] + changes["changed"]:
-            retiring += [h for h in self.supervisor.workers.values() if h.model.name == name]
+            handles = [h for h in self.supervisor.workers.values() if h.model.name == name]
+            if self.registry.server.cluster is not None and name in wanted and wanted[name].remote:
+                # Cluster mode: listening workers are services of their own and keep serving; the
+                # leader restarts them in place if what they read changed (gateway.workers.cluster_reloads).
+                listening[name] = handles
+            else:
+                retiring += handles
         self.registry = self.registry.model_copy(update={"models": new.models})
         self.supervisor.registry = self.registry
         for name in changes["removed"]:
             self.router.drop_route(name)
         fresh = []
-        for name in changes["added"] + changes["changed"]:
+        for name, handles in listening.items():
+            for handle in handles:
+                handle.model = wanted[name]
+            self.router.set_route(wanted[name], handles)
+        for name in changes["added"] + [n for n in changes["changed"] if n not in listening]:
             handles = self.supervisor.add(wanted[name])
             self.router.set_route(wanted[name], handles)
             fresh.extend(handles)

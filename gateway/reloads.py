@@ -7,6 +7,11 @@ once), then `Gateway.apply_registry` runs in the background while `GET /admin/re
 shows its progress: the changes, how many requests it ended, and the state of every model it
 starts. A reload is `applying` while old workers drain, then `applied` (every new worker
 launched); `models_ready` says when every model it started is serving.
+
+In cluster mode the workers are services of their own: a reload changes this gateway's routes, and
+where it changes what a remote model's workers read, it asks the cluster's leader to restart them
+in place, once for every gateway (`workers_reload` in the record; etcd backend only: elsewhere such
+a reload is refused and nothing changes).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from typing import Any
 from gateway.config.registry import ConfigError, Registry, load_registry
 from gateway.core import Gateway
 from gateway.errors import Conflict
+from gateway.workers.reload_plan import worker_changes
 from wire.states import WorkerState
 
 logger = logging.getLogger(__name__)
@@ -40,6 +46,7 @@ class ReloadRecord:
     error: str | None = None
     finished_at: float | None = None
     task: asyncio.Task[None] | None = None
+    workers_reload: dict[str, Any] | None = None  # cluster mode: what the leader was asked to restart
 
     def view(self, gateway: Gateway) -> dict[str, Any]:
         starting = self.changes["added"] + self.changes["changed"]
@@ -58,6 +65,7 @@ class ReloadRecord:
             "models_ready": self.state == "applied"
             and all(route.state is WorkerState.READY for route in serving),
             "error": self.error,
+            "workers_reload": self.workers_reload,
             "started_at": self.started_at,
             "finished_at": self.finished_at,
             "progress": f"/admin/reload/{self.id}",
@@ -95,6 +103,7 @@ class Reloads:
         try:
             # Reading runs the engines' settings check in a child process: off the event loop.
             new = await asyncio.to_thread(load_registry, source)
+            record.workers_reload = await self._ask_the_leader(new)
         except BaseException:
             self._running = None
             raise
@@ -105,6 +114,25 @@ class Reloads:
             del self.records[old]
         record.task = asyncio.create_task(self._apply(record, new), name=f"reload-{record.id}")
         return record
+
+    async def _ask_the_leader(self, new: Registry) -> dict[str, Any] | None:
+        """Cluster mode: listening workers whose settings change are restarted by the leader, once
+        for the cluster (gateway.workers.cluster_reloads); ConfigError where no leader can."""
+        gateway = self.gateway
+        cluster = gateway.registry.server.cluster
+        changed = worker_changes(gateway.registry.models, new.models)
+        if cluster is None or not changed:
+            return None
+        reloads = gateway.supervisor.cluster_reloads
+        if reloads is None:
+            fields = "engine, path, max_seq_len, engine_settings, chat_template, env, task or worker limits"
+            raise ConfigError(
+                f"{new.source}: model(s) {', '.join(sorted(changed))}: the settings their workers read "
+                f"({fields}) changed, and with server.cluster.backend {cluster.backend} no leader "
+                "restarts listening workers (only backend etcd does): restart those workers on their "
+                "hosts, or reload with those settings unchanged"
+            )
+        return await reloads.ask(changed)
 
     async def _apply(self, record: ReloadRecord, new: Registry) -> None:
         try:

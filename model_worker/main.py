@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -214,6 +215,13 @@ def _registration(args: argparse.Namespace, spec: WorkerSpec, public_key: bytes)
     return thread
 
 
+def _reread_spec(config: str, model: str) -> WorkerSpec:
+    """The model's entry as the registry file says now (RemoteSpecError if it cannot)."""
+    from model_worker.remote_spec import remote_spec
+
+    return remote_spec(config, model)
+
+
 def _has_leader(args: argparse.Namespace) -> bool:
     """Whether a leading gateway may load this worker's model on demand: only a listening worker
     registered in etcd stands by (anywhere else a standby worker would wait forever)."""
@@ -271,7 +279,10 @@ def main(argv: list[str] | None = None) -> int:
         assert keys is not None  # checked above
         public, secret, gateways = keys
         listen = (public, secret, frozenset(gateways))
-        worker = Worker(args.worker_id, args.listen, spec, parent_pid=None, listen=listen)
+        worker = Worker(
+            args.worker_id, args.listen, spec, parent_pid=None, listen=listen,
+            reread_spec=functools.partial(_reread_spec, args.config, args.model),
+        )  # fmt: skip
         # Registered once the socket exists: a gateway that connects before the bind just retries.
         registration = _registration(args, spec, public)
     else:

@@ -65,12 +65,16 @@ class Worker:
         parent_pid: int | None,
         curve: tuple[bytes, bytes, bytes] | None = None,
         listen: tuple[bytes, bytes, frozenset[bytes]] | None = None,
+        reread_spec: Callable[[], WorkerSpec] | None = None,
     ) -> None:
         """`curve` (own public, own secret, the gateway's public key) connects to one gateway;
-        `listen` (own public, own secret, the authorized gateway keys) binds `endpoint` instead."""
+        `listen` (own public, own secret, the authorized gateway keys) binds `endpoint` instead.
+        `reread_spec` reads the worker's registry file again: a load from standby uses what the
+        file says then (a registry reload, model_worker.standby)."""
         self.worker_id = worker_id
         self.endpoint = endpoint
         self.spec = spec
+        self.reread_spec = reread_spec
         self.parent_pid = parent_pid
         self.state = WorkerState.STARTING
         self.engine: Engine | None = None

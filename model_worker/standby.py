@@ -8,6 +8,12 @@ Unload), the choice to honour or ignore a Load or an Unload, and the wait while 
 with meanwhile (model_worker.link_thread): no prompt is prepared without a model. The process, its
 socket and its etcd registration stay through every period; only the engine comes and goes.
 
+What a Load loads: the model's entry as the worker's registry file says at that moment (when the
+worker was started from one), so a registry reload decided by the leading gateway (Unload, then
+Load: gateway.workers.cluster_reloads) takes effect without a new process. What needs one (the
+model's `env`, read before any import) keeps its start-up value; a file that cannot be read keeps
+the settings read before, and says why.
+
 Why a Load may be ignored: a leader that dies just after sending Load is followed by one that may
 send it again for the same period. The worker loads at most once per period, so two Loads (from
 two gateways, or one repeated) load the model once. An Unload for a period the worker has left is
@@ -16,6 +22,7 @@ stale, likewise.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import TYPE_CHECKING
@@ -100,6 +107,7 @@ class Standby:
             if worker.stopping:
                 return False
             if self._load_asked:
+                self._reread_spec()
                 worker.move_to(S.STARTING, "loading on request of the leading gateway")
                 return True
             now = time.monotonic()
@@ -111,3 +119,26 @@ class Standby:
         """After an unload's drain: free the model, then stand by (see `wait`)."""
         self._worker.release_model()
         return self.wait()
+
+    def _reread_spec(self) -> None:
+        worker = self._worker
+        if worker.reread_spec is None:
+            return
+        from model_worker.remote_spec import RemoteSpecError
+
+        try:
+            spec = worker.reread_spec()
+        except RemoteSpecError as exc:
+            logger.error(
+                "loading with the settings read before: the registry file cannot be read again: %s", exc
+            )
+            return
+        if spec.env != worker.spec.env:
+            logger.warning(
+                "model %s: a changed `env` takes effect when the worker process restarts", spec.name
+            )
+        # The process's own mode and environment stay what they were at its start.
+        spec = dataclasses.replace(spec, env=worker.spec.env, standby=worker.spec.standby)
+        if spec != worker.spec:
+            logger.info("loading with the registry file's new settings for model %s", spec.name)
+        worker.spec = spec

@@ -110,34 +110,11 @@ class NetnsEtcd(EtcdServer):
         folder.mkdir(exist_ok=True)
         super().__init__(folder)
         self.host = host
+        self.name, self.ip = "ha", host.ip
         self.client_port, self.peer_port = ETCD_PORT, ETCD_PEER_PORT
 
-    @property
-    def endpoint(self) -> str:
-        return f"{self.host.ip}:{self.client_port}"
-
-    def start(self) -> None:
-        client, peer = f"http://{self.endpoint}", f"http://{self.host.ip}:{self.peer_port}"
-        args = self.host.command(
-            self.binary, "--name", "ha", "--data-dir", str(self.folder / "data"),
-            "--listen-client-urls", client, "--advertise-client-urls", client,
-            "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-            "--initial-cluster", f"ha={peer}", "--initial-cluster-state", "new",
-            "--logger", "zap", "--log-outputs", "stderr",
-        )  # fmt: skip
-        with (self.folder / "etcd.log").open("ab") as log:  # the child keeps its own copy of the fd
-            self.process = subprocess.Popen(args, stdout=log, stderr=log)
-        wait_until(self._healthy, "etcd to answer /health", context=self.log)
-
-    def _healthy(self) -> bool:
-        assert self.process is not None
-        if self.process.poll() is not None:
-            raise AssertionError(f"etcd exited with {self.process.returncode}:\n{self.log()}")
-        try:
-            response = httpx.get(f"http://{self.endpoint}/health", timeout=1)
-        except httpx.HTTPError:
-            return False
-        return response.status_code == 200 and response.json().get("health") == "true"
+    def command(self, arguments: list[str]) -> list[str]:
+        return self.host.command(*arguments)
 
 
 class EtcdMembership:

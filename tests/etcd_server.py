@@ -2,7 +2,8 @@
 
 Runs in the pytest process. `EtcdServer` starts Debian's etcd (package etcd-server; .ci/run
 installs it) on free loopback ports with a data folder under the test's temp dir, and can kill it
-(SIGKILL, as a crash) and start it again on the same ports and data.
+(SIGKILL, as a crash) and start it again on the same ports and data. `etcd_cluster_section` is
+the registry's `server.cluster` that the cluster tests give their gateways and workers.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import shutil
 import signal
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -28,26 +30,34 @@ class EtcdServer:
             pytest.skip("etcd is not installed (apt-get install etcd-server)")
         self.binary = binary
         self.folder = folder
+        self.name = "test"  # the member's name in its one-member cluster
+        self.ip = "127.0.0.1"
         self.client_port = free_port()
         self.peer_port = free_port()
         self.process: subprocess.Popen[bytes] | None = None
 
     @property
     def endpoint(self) -> str:
-        return f"127.0.0.1:{self.client_port}"
+        return f"{self.ip}:{self.client_port}"
 
-    def start(self) -> None:
-        client, peer = f"http://127.0.0.1:{self.client_port}", f"http://127.0.0.1:{self.peer_port}"
-        args = [
-            self.binary, "--name", "test", "--data-dir", str(self.folder / "data"),
+    def arguments(self) -> list[str]:
+        """etcd's command line: a one-member cluster on `ip`'s two ports, its data in the folder."""
+        client, peer = f"http://{self.endpoint}", f"http://{self.ip}:{self.peer_port}"
+        return [
+            self.binary, "--name", self.name, "--data-dir", str(self.folder / "data"),
             "--listen-client-urls", client, "--advertise-client-urls", client,
             "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-            "--initial-cluster", f"test={peer}", "--initial-cluster-state", "new",
+            "--initial-cluster", f"{self.name}={peer}", "--initial-cluster-state", "new",
             "--logger", "zap", "--log-outputs", "stderr",
         ]  # fmt: skip
-        log = (self.folder / "etcd.log").open("ab")
-        self.process = subprocess.Popen(args, stdout=log, stderr=log)
-        log.close()
+
+    def command(self, arguments: list[str]) -> list[str]:
+        """How the command line is run (here as it is; tests.cluster_ha runs it on a host of its LAN)."""
+        return arguments
+
+    def start(self) -> None:
+        with (self.folder / "etcd.log").open("ab") as log:  # the child keeps its own copy of the fd
+            self.process = subprocess.Popen(self.command(self.arguments()), stdout=log, stderr=log)
         wait_until(self._healthy, "etcd to answer /health", context=self.log)
 
     def _healthy(self) -> bool:
@@ -55,7 +65,7 @@ class EtcdServer:
         if self.process.poll() is not None:
             raise AssertionError(f"etcd exited with {self.process.returncode}:\n{self.log()}")
         try:
-            response = httpx.get(f"http://127.0.0.1:{self.client_port}/health", timeout=1)
+            response = httpx.get(f"http://{self.endpoint}/health", timeout=1)
         except httpx.HTTPError:
             return False
         return response.status_code == 200 and response.json().get("health") == "true"
@@ -70,3 +80,16 @@ class EtcdServer:
     def log(self) -> str:
         path = self.folder / "etcd.log"
         return path.read_text(errors="replace") if path.exists() else ""
+
+
+def etcd_cluster_section(etcd: EtcdServer, keys: Path, prefix: str, ttl_s: float) -> dict[str, Any]:
+    """`server.cluster` on backend etcd: the gateway's key from `keys` (`gateway keys`), leases of
+    `ttl_s` for workers and the leader, and short timeouts and retries, so a test sees handovers
+    within seconds."""
+    return {
+        "backend": "etcd",
+        "secret_key_file": str(keys / "gateway.key_secret"),
+        "etcd": {"endpoints": [etcd.endpoint], "prefix": prefix,
+                 "worker_ttl_s": ttl_s, "leader_ttl_s": ttl_s,
+                 "request_timeout_s": 0.5, "retry_interval_s": 0.2},
+    }  # fmt: skip

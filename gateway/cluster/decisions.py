@@ -13,9 +13,13 @@ that etcd (or the API server) grants to one caller ever:
 - with etcd, loading a standby worker's model on demand, unloading it when idle, and swapping the
   models of an exclusive group on a host (`Load`, `Unload`): the leader decides them from every
   gateway's wants and the workers' states (gateway.workers.cluster_loads, with this gateway's
-  `Leader`), so no model is loaded twice by two gateways.
+  `Leader`), so no model is loaded twice by two gateways;
+- with etcd, restarting listening workers in place for a registry reload that changes what they
+  read (gateway.workers.cluster_reloads): any gateway asks, the leader restarts each worker once,
+  one replica of a model at a time. The reload's other changes (routes, queues, aliases) are each
+  gateway's own: every gateway applies them when it is reloaded itself.
 
-A registry reload changes only the reloading gateway's own routes. A retire that arrives while no
+A retire that arrives while no
 gateway leads (the leader just died) waits for this gateway to take over, up to the lease's TTL;
 one that arrives at a follower while another leads is refused with 409 `not_leader`.
 """

@@ -6,7 +6,9 @@ Runs in the gateway process. Owns the operator actions; the work itself is the s
 in the background). SIGHUP (gateway/server.py) starts the same reload as POST /admin/reload.
 
 POST /admin/reload validates the file, starts applying it and answers 202 at once, with the
-changes and `progress`: GET /admin/reload/{id} (or /admin/reload for the latest) shows how it goes.
+changes and `progress`: GET /admin/reload/{id} (or /admin/reload for the latest) shows how it goes
+(in cluster mode also `workers_reload.status`: the leader's restarts of listening workers, read
+from etcd).
 `?wait=SECONDS` (at most 600) waits that long for the apply to finish and then answers 200 with
 the outcome, or 202 if it is still applying. An invalid new file changes nothing (400), and a
 second reload while one applies is refused (409).
@@ -65,7 +67,7 @@ async def reload() -> Any:
         raise InvalidRequest(f"reload refused, nothing changed: {exc}", code="invalid_config") from None
     reloads: Reloads = current_app.extensions["reloads"]
     finished = wait_s > 0 and await reloads.wait(record, wait_s)
-    view = record.view(current_gateway())
+    view = await _reload_view(record)
     headers = {"Location": view["progress"]}
     return jsonify(view), (200 if finished else 202), headers
 
@@ -75,7 +77,7 @@ async def latest_reload() -> Any:
     record = current_app.extensions["reloads"].latest
     if record is None:
         return jsonify({"status": "none", "message": "no reload since the gateway started"})
-    return jsonify(record.view(current_gateway()))
+    return jsonify(await _reload_view(record))
 
 
 @blueprint.get("/admin/reload/<int:reload_id>")
@@ -83,7 +85,18 @@ async def reload_progress(reload_id: int) -> Any:
     record = current_app.extensions["reloads"].records.get(reload_id)
     if record is None:
         raise InvalidRequest(f"no reload {reload_id} (the last few are kept)", code="not_found", param="id")
-    return jsonify(record.view(current_gateway()))
+    return jsonify(await _reload_view(record))
+
+
+async def _reload_view(record: ReloadRecord) -> dict[str, Any]:
+    """The record, and in cluster mode where the leader's restarts of its workers stand."""
+    gateway = current_gateway()
+    view = record.view(gateway)
+    cluster_reloads = gateway.supervisor.cluster_reloads
+    if record.workers_reload is not None and cluster_reloads is not None:
+        status = await cluster_reloads.progress(record.workers_reload)
+        view["workers_reload"] = {**record.workers_reload, "status": status}
+    return view
 
 
 def _handles(name: str) -> list[Any]:

@@ -294,11 +294,15 @@ class RequestOwner:
                     choice.end_job(cancel=False)
                     failed.add(choice.worker_id or "")
                     error = self._worker_full(answer.message)
+                elif isinstance(answer, wire.Rejected) and answer.code is RejectCode.SHUTTING_DOWN:
+                    # It began draining or unloading (a reload, an idle unload) before this gateway
+                    # heard: it started nothing, so the other replicas are tried.
+                    choice.end_job(cancel=False)
+                    failed.add(choice.worker_id or "")
+                    error = ServiceUnavailable(answer.message, code=answer.code.value)
                 elif isinstance(answer, wire.Rejected):
                     choice.end_job(cancel=False)  # the worker holds nothing for it; the others are cancelled
-                    code = answer.code
-                    error_class = ServiceUnavailable if code is RejectCode.SHUTTING_DOWN else InvalidRequest
-                    raise error_class(answer.message, code=code.value, param=answer.param)
+                    raise InvalidRequest(answer.message, code=answer.code.value, param=answer.param)
                 else:
                     choice.end_job(cancel=False)
                     failed.add(choice.worker_id or "")

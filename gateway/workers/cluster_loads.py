@@ -60,10 +60,9 @@ class ClusterLoads:
         host_of: Callable[[str], str | None],
         grace_s: float,
     ) -> None:
-        self._workers, self._link, self._leader, self._wants = workers, link, leader, wants
+        self._workers, self._leader, self._wants = workers, leader, wants
         self._host_of = host_of
-        self._grace_s = grace_s
-        self._sent: dict[str, float] = {}  # decisions this gateway sent, when (resent after RESEND_S)
+        self._sender = DecisionSender(link, leader, grace_s)
         self._task: asyncio.Task[None] | None = None
 
     @classmethod
@@ -82,11 +81,8 @@ class ClusterLoads:
 
         assert cluster.etcd is not None
 
-        def host_of(worker_id: str) -> str | None:
-            record = members().get(worker_id)
-            return record.endpoint[len("tcp://") :].rpartition(":")[0] if record is not None else None
-
-        return cls(workers, link, leader, EtcdWants(cluster.etcd, identity(cluster)), host_of, grace_s)
+        wants = EtcdWants(cluster.etcd, identity(cluster))
+        return cls(workers, link, leader, wants, host_finder(members), grace_s)
 
     async def start(self) -> None:
         await self._wants.start()
@@ -110,45 +106,73 @@ class ClusterLoads:
         while True:
             await asyncio.sleep(TICK_S)
             if not self._leader.is_leader:
-                self._sent.clear()  # a later leadership starts from what etcd and the workers say
+                self._sender.forget()  # a later leadership starts from what etcd and the workers say
                 continue
-            now = time.monotonic()
-            self._sent = {d: at for d, at in self._sent.items() if now - at < 20 * RESEND_S}
             try:
                 wanted = await self._wants.wanted()
             except UNREACHABLE as exc:
                 logger.debug("wants not read: %s", exc)
                 continue
-            for action in plan(wanted, self._views()):
+            for action in plan(wanted, worker_views(self._workers, self._host_of)):
                 try:
-                    await self._act(action)
+                    await self._sender.act(action)
                 except Exception:  # one failed decision must not end the rounds
                     logger.exception("decision %s failed", action.decision)
 
-    def _views(self) -> list[WorkerView]:
-        views = []
-        for handle in list(self._workers.values()):
-            host = self._host_of(handle.id)
-            if not handle.remote or handle.pid is None or host is None:
-                continue
-            model = handle.model
-            views.append(
-                WorkerView(
-                    worker_id=handle.id,
-                    model=model.name,
-                    state=handle.state,
-                    pid=handle.pid,
-                    epoch=handle.standby_epoch,
-                    host=host,
-                    replica=handle.replica,
-                    group=model.exclusive_group,
-                    idle_s=handle.load.idle_s if handle.load is not None else None,
-                    idle_unload_s=model.idle_unload_s,
-                )
-            )
-        return views
 
-    async def _act(self, action: Action) -> None:
+def host_finder(members: Callable[[], Mapping[str, WorkerRecord]]) -> Callable[[str], str | None]:
+    """A worker's host is its advertised endpoint's (exclusive groups); None: not a member."""
+
+    def host_of(worker_id: str) -> str | None:
+        record = members().get(worker_id)
+        return record.endpoint[len("tcp://") :].rpartition(":")[0] if record is not None else None
+
+    return host_of
+
+
+def worker_views(
+    workers: Mapping[str, WorkerHandle], host_of: Callable[[str], str | None]
+) -> list[WorkerView]:
+    """The listening workers of the membership, as the leader's plans see them."""
+    views = []
+    for handle in list(workers.values()):
+        host = host_of(handle.id)
+        if not handle.remote or handle.pid is None or host is None:
+            continue
+        model = handle.model
+        views.append(
+            WorkerView(
+                worker_id=handle.id,
+                model=model.name,
+                state=handle.state,
+                pid=handle.pid,
+                epoch=handle.standby_epoch,
+                host=host,
+                replica=handle.replica,
+                group=model.exclusive_group,
+                idle_s=handle.load.idle_s if handle.load is not None else None,
+                idle_unload_s=model.idle_unload_s,
+            )
+        )
+    return views
+
+
+class DecisionSender:
+    """The leader's hand: claims a decision once and sends its Load or Unload, and sends again one
+    that was claimed before and has not taken effect (after RESEND_S by this leader, at once by a
+    new one)."""
+
+    def __init__(self, link: WorkerLink, leader: Leader, grace_s: float) -> None:
+        self._link, self._leader, self._grace_s = link, leader, grace_s
+        self._sent: dict[str, float] = {}  # decisions this gateway sent, when (resent after RESEND_S)
+
+    def forget(self) -> None:
+        self._sent.clear()
+
+    async def act(self, action: Action) -> None:
+        now = time.monotonic()
+        self._sent = {d: at for d, at in self._sent.items() if now - at < 20 * RESEND_S}
+
         async def send() -> bool:
             logger.info("decided: %s %s (%s)", action.kind, action.worker_id, action.why)
             return self._send(action)

@@ -10,7 +10,8 @@ In cluster mode it also starts gateway.link.cluster_members, which connects to t
 workers of the membership (those join and leave like any remote worker), and, with etcd or
 Kubernetes, gateway.cluster.decisions, this gateway's part in electing the one that decides; with
 etcd and remote models loaded on demand, gateway.workers.cluster_loads (the leader loads and
-unloads standby workers; any gateway says which models its requests wait for).
+unloads standby workers; any gateway says which models its requests wait for), and with etcd
+gateway.workers.cluster_reloads (the leader restarts workers in place for a registry reload).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from gateway.link.step_watch import StepWatch
 from gateway.link.worker_link import WorkerLink
 from gateway.observability.logging_setup import bind_worker_log_context, worker_log_context
 from gateway.workers.cluster_loads import ClusterLoads, loads_on_demand
+from gateway.workers.cluster_reloads import ClusterReloads
 from gateway.workers.loads import LoadGate, LoadRefused
 from gateway.workers.remote import RemoteMembers
 from gateway.workers.upkeep import Upkeep
@@ -64,6 +66,7 @@ class Supervisor:
         self.cluster: ClusterMembers | None = None
         self.decisions: Decisions | None = None  # cluster mode with a leader (etcd, Kubernetes)
         self.cluster_loads: ClusterLoads | None = None  # cluster mode on etcd, models loaded on demand
+        self.cluster_reloads: ClusterReloads | None = None  # cluster mode on etcd: reloads of workers
         self.remote = RemoteMembers(self)
         self.loads = LoadGate(self)
         for model in registry.models:
@@ -121,6 +124,13 @@ class Supervisor:
                 self.registry.server.shutdown_grace_s,
             )  # fmt: skip
             await self.cluster_loads.start()
+        if self.decisions is not None and cluster.backend == "etcd":
+            assert cluster.etcd is not None
+            self.cluster_reloads = ClusterReloads(
+                cluster.etcd, self.workers, link, self.decisions.leader, self.cluster.members,
+                self.registry.server.shutdown_grace_s,
+            )  # fmt: skip
+            await self.cluster_reloads.start()
 
     def leave_cluster(self, worker_id: str) -> None:
         """A worker left the membership: what it held ends now, and it is forgotten."""
@@ -186,6 +196,8 @@ class Supervisor:
             self._upkeep_task.cancel()
         if self.cluster_loads is not None:  # this gateway's wants go with it
             await self.cluster_loads.stop()
+        if self.cluster_reloads is not None:
+            await self.cluster_reloads.stop()
         if self.decisions is not None:  # resigning hands leadership over at once
             await self.decisions.stop()
         if self.cluster is not None:

@@ -26,7 +26,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.etcd_server import EtcdServer
+from tests.etcd_server import EtcdServer, etcd_cluster_section
 from tests.harness import REPO_ROOT, GatewayProcess, free_port, wait_until
 from tests.integration.conftest import demo_entry, write_registry
 
@@ -49,13 +49,7 @@ class EtcdCluster:
             [demo_entry("shared", model_dir, remote=True,
                         limits={"max_concurrent_jobs": 4, "worker_queued_jobs": 2})],
             heartbeat_timeout_s=2.0,
-            cluster={
-                "backend": "etcd",
-                "secret_key_file": str(self.keys / "gateway.key_secret"),
-                "etcd": {"endpoints": [etcd.endpoint], "prefix": "/etcd-workers-test/",
-                         "worker_ttl_s": TTL_S, "leader_ttl_s": TTL_S,
-                         "request_timeout_s": 0.5, "retry_interval_s": 0.2},
-            },
+            cluster=etcd_cluster_section(etcd, self.keys, "/etcd-workers-test/", TTL_S),
         )  # fmt: skip
         self.workers: list[subprocess.Popen[bytes]] = []
 

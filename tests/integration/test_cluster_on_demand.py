@@ -27,7 +27,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.etcd_server import EtcdServer
+from tests.etcd_server import EtcdServer, etcd_cluster_section
 from tests.harness import REPO_ROOT, GatewayProcess, free_port, wait_until
 from tests.integration.conftest import demo_entry, write_registry
 
@@ -60,13 +60,7 @@ class OnDemandCluster:
                 demo_entry("slow", model_dir, engine=FAULTY, env={"FAULT_LOAD_DELAY_S": "8"}, **on_demand),
             ],
             heartbeat_timeout_s=2.0,
-            cluster={
-                "backend": "etcd",
-                "secret_key_file": str(self.keys / "gateway.key_secret"),
-                "etcd": {"endpoints": [etcd.endpoint], "prefix": "/on-demand-test/",
-                         "worker_ttl_s": TTL_S, "leader_ttl_s": TTL_S,
-                         "request_timeout_s": 0.5, "retry_interval_s": 0.2},
-            },
+            cluster=etcd_cluster_section(etcd, self.keys, "/on-demand-test/", TTL_S),
         )  # fmt: skip
         self.workers: list[subprocess.Popen[bytes]] = []
 

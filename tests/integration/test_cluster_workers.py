@@ -4,7 +4,9 @@ Real processes and sockets: a transformers worker on the demo model, listening o
 and two gateways that find it through a static `server.cluster` list. The worker enforces its own
 cap across both gateways; a gateway killed with SIGKILL mid-stream leaves the worker running, the
 other gateway's streams finish, and the killed gateway's jobs are cancelled in the worker within a
-heartbeat timeout (read from the load the worker reports to the surviving gateway).
+heartbeat timeout (read from the load the worker reports to the surviving gateway). Without a
+leader (a static list), a reload that changes what the worker reads is refused; one that changes
+only what gateways read is applied, and the worker keeps serving.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Any
 
 import httpx
 import pytest
+import yaml
 
 from tests.harness import REPO_ROOT, GatewayProcess, free_port, wait_until
 from tests.integration.conftest import demo_entry, write_registry
@@ -185,6 +188,39 @@ def test_one_worker_serves_two_gateways_within_its_own_cap(
             assert "worker_full" in (stream.error or "") or "queue_full" in (stream.error or ""), stream.error
     assert any(s.status == 200 for s in streams[:3]) and any(s.status == 200 for s in streams[3:])
     assert worker.poll() is None
+
+
+def test_a_reload_that_changes_what_the_worker_reads_is_refused_without_a_leader(
+    cluster: Cluster, gateways: tuple[GatewayProcess, GatewayProcess]
+) -> None:
+    first, _ = gateways
+    original = cluster.config.read_text()
+    registry = yaml.safe_load(original)
+    try:
+        registry["models"][0]["max_seq_len"] = 1024  # read by the worker: only a leader restarts it
+        cluster.config.write_text(yaml.safe_dump(registry))
+        reply = httpx.post(first.url + "/admin/reload", params={"wait": 30}, timeout=60)
+        assert reply.status_code == 400, reply.text
+        error = reply.json()["error"]
+        assert error["code"] == "invalid_config", error
+        assert str(cluster.config) in error["message"] and "shared" in error["message"], error
+        assert "backend static" in error["message"], error
+
+        registry["models"][0]["max_seq_len"] = 2048
+        registry["models"][0]["limits"]["max_queued_requests"] = 8  # the gateways' own: applied
+        cluster.config.write_text(yaml.safe_dump(registry))
+        reply = httpx.post(first.url + "/admin/reload", params={"wait": 30}, timeout=60)
+        assert reply.status_code == 200 and reply.json()["changed"] == ["shared"], reply.text
+        assert reply.json()["workers_reload"] is None
+        row = _shared(first)  # the listening worker stays, serving
+        assert row is not None and row["state"] == "ready", row
+        answer = httpx.post(
+            first.url + "/v1/completions", json={"model": "shared", "prompt": "hi", "max_tokens": 2}
+        )
+        assert answer.status_code == 200, answer.text
+    finally:
+        cluster.config.write_text(original)
+        assert httpx.post(first.url + "/admin/reload", params={"wait": 30}, timeout=60).status_code == 200
 
 
 def test_a_killed_gateway_leaves_the_worker_serving_and_its_jobs_cancelled(

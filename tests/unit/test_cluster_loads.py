@@ -1,5 +1,5 @@
 """The leader's loads and unloads of listening workers (gateway.workers.cluster_plan and
-gateway.workers.cluster_loads): what is decided from the wants and the workers' states, each
+gateway.workers.cluster_loads' DecisionSender): what is decided from the wants and the workers' states, each
 decision's name, and a decision claimed once, then sent again (never claimed again) when it has
 not taken effect."""
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from gateway.workers.cluster_loads import ClusterLoads
+from gateway.workers.cluster_loads import DecisionSender
 from gateway.workers.cluster_plan import WorkerView, plan
 from wire import messages as wire
 from wire.states import WorkerState
@@ -89,8 +89,8 @@ class _Link:
         return True
 
 
-def _loads(leader: _Leader, link: _Link) -> ClusterLoads:
-    return ClusterLoads({}, link, leader, None, lambda _id: "h1", grace_s=2.0)  # type: ignore[arg-type]
+def _loads(leader: _Leader, link: _Link) -> DecisionSender:
+    return DecisionSender(link, leader, grace_s=2.0)  # type: ignore[arg-type]
 
 
 def test_a_decision_is_claimed_once_and_sent_again_only_while_it_has_not_taken_effect() -> None:
@@ -99,8 +99,8 @@ def test_a_decision_is_claimed_once_and_sent_again_only_while_it_has_not_taken_e
         first_link = _Link()
         first = _loads(_Leader(claimed), first_link)
         (action,) = plan({"a"}, [_w("a@1", S.UNLOADED, epoch=4)])
-        await first._act(action)
-        await first._act(action)  # the next round, before the worker said it is loading
+        await first.act(action)
+        await first.act(action)  # the next round, before the worker said it is loading
         assert claimed == {"load/a@1/7-4"}
         assert first_link.sent == [("a@1", wire.Load(4))]  # not again within RESEND_S
 
@@ -108,7 +108,7 @@ def test_a_decision_is_claimed_once_and_sent_again_only_while_it_has_not_taken_e
         # period 4: it does not claim again, it sends the same Load (taken once by the worker).
         second_link = _Link()
         second = _loads(_Leader(claimed), second_link)
-        await second._act(action)
+        await second.act(action)
         assert claimed == {"load/a@1/7-4"}
         assert second_link.sent == [("a@1", wire.Load(4))]
 
@@ -116,11 +116,11 @@ def test_a_decision_is_claimed_once_and_sent_again_only_while_it_has_not_taken_e
         follower_leader = _Leader(claimed)
         follower_leader.is_leader = False
         follower_link = _Link()
-        await _loads(follower_leader, follower_link)._act(action)
+        await _loads(follower_leader, follower_link).act(action)
         assert follower_link.sent == []
 
         (unload,) = plan(set(), [_w("a@1", S.READY, epoch=4, idle_s=9.0, idle_unload_s=1.0)])
-        await second._act(unload)
+        await second.act(unload)
         assert second_link.sent[-1] == ("a@1", wire.Unload(2.0, 4))
 
     asyncio.run(scenario())

@@ -271,6 +271,26 @@ def test_a_job_whose_replica_dies_before_accepting_moves_to_another(tmp_path: Pa
     asyncio.run(scenario())
 
 
+def test_a_job_refused_by_a_replica_that_began_to_unload_moves_to_another(tmp_path: Path) -> None:
+    """A worker told to unload (a reload, an idle unload) refuses what its gateways sent before
+    they heard: it started nothing, so the request tries the other replica, not the client."""
+
+    async def scenario() -> None:
+        async with rig(tmp_path, ready=("w0", "w1")) as r:
+            owner = r.open()
+            handler = asyncio.create_task(consume(owner))
+            (refused,) = await r.peers["w0"].generates(1)
+            await r.peers["w0"].send(wire.Rejected(refused.rid, RejectCode.SHUTTING_DOWN, "unloading", None))
+            (moved,) = await r.peers["w1"].generates(1)
+            await r.peers["w1"].send(wire.Accepted(moved.rid, 3))
+            await r.peers["w1"].send(wire.Step([output(moved.rid, "ok", FinishReason.STOP)]))
+            events = await asyncio.wait_for(handler, 2)
+            assert [o.text for _, o in events] == ["ok"] and owner.outcome == 200
+            r.assert_all_released()
+
+    asyncio.run(scenario())
+
+
 def test_a_refused_job_is_an_http_error_before_any_stream(tmp_path: Path) -> None:
     async def scenario() -> None:
         async with rig(tmp_path) as r:
