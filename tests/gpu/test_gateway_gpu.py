@@ -282,12 +282,14 @@ def test_exllamav3_over_two_gpus(split: str, big_model: Path, tmp_path: Path) ->
     settings: dict[str, Any] = {"max_seq_len": 4096, "max_chunk_size": 2048, "max_batch_size": 64}
     if split == "tensor_parallel":
         settings["tensor_parallel"] = True
-    else:  # the layer split only spills onto the second GPU when the first is (made) full
-        total_gb = torch.cuda.get_device_properties(0).total_memory / 1024**3
-        settings["reserve_vram_gb"] = round(total_gb - 12)
-    one_gpu = {**settings, "tensor_parallel": False, "reserve_vram_gb": 0.0}
+    else:  # GB per GPU: an autosplit would keep the 8B shape whole on one large GPU. Weights (16 GB)
+        # and the cache (8 GB) need more than a reserve of "all but 12 GB" left on each of two GPUs.
+        settings["gpu_split"] = [14.0, 18.0]
+    one_gpu = {**settings, "tensor_parallel": False, "gpu_split": None}
     models = {"one": entry("one", big_model, [0], "exllamav3", **one_gpu),
               "two": entry("two", big_model, [0, 1], "exllamav3", **settings)}  # fmt: skip
+    for model in models.values():  # 64 streams must run as 64 jobs, not 32 and a queue
+        model["limits"]["max_concurrent_jobs"] = 64
     expected_log = "tensor-parallel over 2 GPUs" if split == "tensor_parallel" else "layers split over 2 GPUs"
     figures: dict[str, float] = {}
     for name, model in models.items():
