@@ -30,6 +30,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
 from bench.cpu_placement import SiblingWatch, placed, split_cores, topology  # noqa: E402
+from bench.proc_cpu import cpu_seconds, run_seconds  # noqa: E402
 from bench.profiling import Profiler  # noqa: E402
 from bench.streams import Round, engine_round, http_round, paired, raw_round, summarize  # noqa: E402
 from model_worker.engines.registry import create_engine  # noqa: E402
@@ -94,21 +95,18 @@ def process_threads(pid: int) -> int | None:
     return None
 
 
-def process_cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def measured(run: Any, pid: int | None, gateway_pid: int | None = None) -> Round:
-    """One round, with the CPU seconds its worker process (if any) used meanwhile, and how often
-    another busy thread ran on the physical core of the worker's engine thread."""
+    """One round, with the CPU seconds its worker process (if any) and the gateway used meanwhile,
+    and how often another busy thread ran on the physical core of the worker's engine thread."""
     if not pid:
         return run()
-    before = process_cpu_s(pid)
+    before, gateway_before = cpu_seconds(pid), run_seconds(gateway_pid) if gateway_pid else 0.0
     others = [pid, os.getpid(), *([gateway_pid] if gateway_pid else [])]
     with SiblingWatch((pid, pid), others) as watch:
         done = run()
-    done.worker_cpu_s = process_cpu_s(pid) - before
+    done.worker_cpu_s = cpu_seconds(pid) - before
+    if gateway_pid:
+        done.gateway_cpu_s = run_seconds(gateway_pid) - gateway_before
     done.engine_core_shared = watch.shared_fraction
     return done
 
@@ -210,6 +208,10 @@ def run_overhead(args: argparse.Namespace, report: dict[str, Any]) -> None:
                 worker_cpu = [r.worker_cpu_s for r in done if r.worker_cpu_s is not None]
                 if len(worker_cpu) == len(done):
                     row["worker_cpu_pct"] = round(100 * sum(worker_cpu) / sum(r.seconds for r in done), 1)
+                gateway_cpu = [r.gateway_cpu_s for r in done if r.gateway_cpu_s is not None]
+                if len(gateway_cpu) == len(done):  # the gateway process's CPU per streamed token
+                    tokens = sum(s.tokens for r in done for s in r.streams)
+                    row["gateway_cpu_us_per_token"] = round(1e6 * sum(gateway_cpu) / tokens, 1)
                 shared = [r.engine_core_shared for r in done if r.engine_core_shared is not None]
                 if shared:
                     row["engine_core_shared"] = round(sum(shared) / len(shared), 3)
@@ -321,6 +323,12 @@ def targets(rows: list[dict[str, Any]]) -> list[tuple[str, str, bool]]:
                 (f"{count} stream{'s' if count > 1 else ''}: TTFT p50 + <= {most} ms", text, added <= most)
             )
     for count in sorted({r["streams"] for r in rows}):
+        gw = by.get(("gateway", count))
+        if gw and "gateway_cpu_us_per_token" in gw and gw.get("tokens_per_chunk") == 1.0:
+            cpu = gw["gateway_cpu_us_per_token"]
+            target = f"{count} streams: gateway CPU per streamed token <= 50 us"
+            out.append((target, f"{cpu:.1f} us", cpu <= 50))
+    for count in sorted({r["streams"] for r in rows}):
         if p := pair(count):
             limit, gap = p[0]["step_ms_p99"] + 5, p[1]["gap_ms_p99"]
             target = f"{count} streams: token gap p99 <= raw step p99 + 5 ms"
@@ -331,7 +339,7 @@ def targets(rows: list[dict[str, Any]]) -> list[tuple[str, str, bool]]:
 HEADER = (
     "| path | streams | tok/s total (min-max) | tok/s per stream | TTFT p50 / p99 ms "
     "| token gap p50 / p99 ms | step p50 / p99 ms | tokens per chunk | client CPU us/token | worker CPU % "
-    "| engine core shared |\n|---|---|---|---|---|---|---|---|---|---|---|"
+    "| gateway CPU us/token | engine core shared |\n|---|---|---|---|---|---|---|---|---|---|---|---|"
 )
 
 
@@ -342,7 +350,8 @@ def row_line(r: dict[str, Any]) -> str:
         f"| {r['path']} | {r['streams']} | {r['tok_s_total']:.1f}{spread} | {r['tok_s_per_stream']:.1f} "
         f"| {r['ttft_ms_p50']:.1f} / {r['ttft_ms_p99']:.1f} | {r['gap_ms_p50']:.1f} / {r['gap_ms_p99']:.1f} "
         f"| {steps} | {r['tokens_per_chunk'] or '-'} | {r.get('client_cpu_us_per_token') or '-'} "
-        f"| {r.get('worker_cpu_pct', '-')} | {r.get('engine_core_shared', '-')} |"
+        f"| {r.get('worker_cpu_pct', '-')} | {r.get('gateway_cpu_us_per_token', '-')} "
+        f"| {r.get('engine_core_shared', '-')} |"
     )
 
 

@@ -46,11 +46,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import httpx  # noqa: E402
 import yaml  # noqa: E402
 
+from bench.proc_cpu import busy_seconds, cpu_seconds, run_seconds, user_system_seconds  # noqa: E402
 from tests.harness import GatewayProcess  # noqa: E402
 
 PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time, in a small village, " * 2
 MODEL_NAME = "bench"
-TICK = os.sysconf("SC_CLK_TCK")
 
 
 def pct(values: list[float], q: float) -> float:
@@ -60,37 +60,6 @@ def pct(values: list[float], q: float) -> float:
 
 def gaps(times: list[float]) -> list[float]:
     return [b - a for a, b in zip(times, times[1:], strict=False)]
-
-
-def cpu_seconds(pid: int) -> float:
-    """utime + stime of a whole process (all its threads), from /proc/<pid>/stat."""
-    with open(f"/proc/{pid}/stat") as stat:
-        fields = stat.read().rsplit(")", 1)[1].split()  # comm may hold spaces; cut after it
-    return (int(fields[11]) + int(fields[12])) / TICK
-
-
-def run_seconds(pid: int) -> float:
-    """Time every live thread of a process spent on a CPU, in ns resolution (schedstat)."""
-    total = 0
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            total += int((task / "schedstat").read_text().split()[0])
-        except (FileNotFoundError, ProcessLookupError):  # a thread that ended meanwhile
-            continue
-    return total / 1e9
-
-
-def user_system_seconds(pid: int) -> tuple[float, float]:
-    with open(f"/proc/{pid}/stat") as stat:
-        fields = stat.read().rsplit(")", 1)[1].split()
-    return int(fields[11]) / TICK, int(fields[12]) / TICK
-
-
-def busy_seconds() -> float:
-    """CPU seconds spent by the whole machine (every core, not idle or iowait), from /proc/stat."""
-    with open("/proc/stat") as stat:
-        user, nice, system, idle, iowait, irq, softirq, steal = map(int, stat.readline().split()[1:9])
-    return (user + nice + system + irq + softirq + steal) / TICK
 
 
 class CpuWatch:

@@ -52,20 +52,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import httpx  # noqa: E402
 
+from bench.proc_cpu import TICK, busy_seconds, cpu_seconds  # noqa: E402
 from tests.harness import GatewayProcess  # noqa: E402
 from tests.integration.conftest import demo_entry, write_registry  # noqa: E402
 
 MODEL = "m"
 PROMPT = "Routing over replicas: the quick brown fox jumps over the lazy dog."
-TICK = os.sysconf("SC_CLK_TCK")
 HEARTBEAT_S = 1.0  # the registry's default (tests use 0.2); routing never waits on heartbeats
-
-
-def cpu_seconds(pid: int) -> float:
-    """utime + stime of a whole process (all its threads), from /proc/<pid>/stat."""
-    with open(f"/proc/{pid}/stat") as stat:
-        fields = stat.read().rsplit(")", 1)[1].split()  # comm may hold spaces; cut after it
-    return (int(fields[11]) + int(fields[12])) / TICK
 
 
 def pct(values: list[float], q: float) -> float:
@@ -233,13 +226,6 @@ def sequential(gateways: dict[str, GatewayProcess], args: argparse.Namespace) ->
         }
         for name, values in latencies.items()
     }
-
-
-def busy_seconds() -> float:
-    """CPU seconds the whole machine spent (every core, not idle or iowait), from /proc/stat."""
-    with open("/proc/stat") as stat:
-        user, nice, system, idle, iowait, irq, softirq, steal = map(int, stat.readline().split()[1:9])
-    return (user + nice + system + irq + softirq + steal) / TICK
 
 
 class OtherLoad:

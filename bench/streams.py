@@ -49,6 +49,7 @@ class Round:
     chunks: int = 0  # HTTP rounds: content chunks received, to check one token per chunk
     client_cpu_s: float = 0.0  # HTTP rounds: CPU time of the benchmark's own client process
     worker_cpu_s: float | None = None  # gateway rounds: CPU time of the worker process meanwhile
+    gateway_cpu_s: float | None = None  # gateway rounds: CPU time of the gateway process meanwhile
     # gateway rounds: share of samples in which another busy thread ran on the engine thread's core
     engine_core_shared: float | None = None
 

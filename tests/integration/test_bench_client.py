@@ -28,6 +28,23 @@ def test_the_async_client_counts_tokens_and_its_own_cpu(two_model_gateway: Gatew
     assert summary["client_cpu_us_per_token"] > 0
 
 
+def test_a_gateway_round_records_the_gateway_cpu_per_token(two_model_gateway: GatewayProcess) -> None:
+    """bench_engines' gateway rounds read the gateway's and the worker's CPU over the round; the
+    per-token figure and its 50 us target reach the report's targets."""
+    from bench.bench_engines import measured, targets
+
+    worker = next(int(w["pid"]) for w in two_model_gateway.workers() if w["model"] == "demo-small")
+    prompts = [f"Stream {i}: hello" for i in range(4)]
+    done = measured(lambda: http_round(two_model_gateway.url, "demo-small", prompts, 8, None), worker,
+                    two_model_gateway.pid)  # fmt: skip
+    assert done.gateway_cpu_s is not None and done.gateway_cpu_s > 0
+    assert done.worker_cpu_s is not None and done.worker_cpu_s >= 0
+    per_token = 1e6 * done.gateway_cpu_s / 32
+    row = {"path": "gateway", "streams": 4, "gateway_cpu_us_per_token": per_token, "tokens_per_chunk": 1.0}
+    assert (("4 streams: gateway CPU per streamed token <= 50 us", f"{per_token:.1f} us", per_token <= 50)
+            in targets([row]))  # fmt: skip
+
+
 def test_the_summary_reports_the_median_and_the_spread_of_rounds() -> None:
     def round_of(tokens_per_s: float) -> Round:
         stream = Stream(0.0, [(i + 1) / tokens_per_s for i in range(10)])
