@@ -19,34 +19,17 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
 from typing import Any
 
 import aetcd.exceptions
 
 from gateway.cluster.etcd_session import UNREACHABLE, EtcdSession
+from gateway.cluster.reload_request import ReloadRequest
 from gateway.cluster.settings import EtcdSettings
 
 logger = logging.getLogger(__name__)
 
 TROUBLE = (*UNREACHABLE, aetcd.exceptions.ClientError)
-
-
-@dataclass(frozen=True)
-class ReloadRequest:
-    fingerprint: str
-    models: tuple[str, ...]
-    workers: dict[str, str]  # worker id -> its incarnation (PID-EPOCH) when the reload was asked for
-    by: str  # the gateway that asked
-
-    def encode(self) -> bytes:
-        body = {"models": list(self.models), "workers": self.workers, "by": self.by}
-        return json.dumps(body, sort_keys=True).encode()
-
-    @classmethod
-    def decode(cls, fingerprint: str, value: bytes) -> ReloadRequest:
-        body: dict[str, Any] = json.loads(value)
-        return cls(fingerprint, tuple(body["models"]), dict(body["workers"]), str(body["by"]))
 
 
 class EtcdReloads:

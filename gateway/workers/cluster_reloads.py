@@ -19,8 +19,9 @@ import asyncio
 import logging
 from collections.abc import Callable, Mapping
 
-from gateway.cluster.etcd_reloads import TROUBLE, EtcdReloads, ReloadRequest
+from gateway.cluster.etcd_reloads import TROUBLE, EtcdReloads
 from gateway.cluster.membership import Leader, WorkerRecord, cancel_and_wait
+from gateway.cluster.reload_request import ReloadRequest
 from gateway.cluster.settings import EtcdSettings
 from gateway.config.registry import ModelConfig
 from gateway.errors import ServiceUnavailable

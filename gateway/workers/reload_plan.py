@@ -28,7 +28,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from gateway.cluster.etcd_reloads import ReloadRequest
+from gateway.cluster.reload_request import ReloadRequest
 from gateway.config.registry import ModelConfig, worker_spec
 from gateway.workers.cluster_plan import Action, WorkerView
 from wire.states import WorkerState

@@ -25,6 +25,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict
+from typing import TYPE_CHECKING
 
 from gateway.cluster.decisions import Decisions
 from gateway.config.api_keys import API_KEY_VARIABLES
@@ -37,12 +38,14 @@ from gateway.link.step_watch import StepWatch
 from gateway.link.worker_link import WorkerLink
 from gateway.observability.logging_setup import bind_worker_log_context, worker_log_context
 from gateway.workers.cluster_loads import ClusterLoads, loads_on_demand
-from gateway.workers.cluster_reloads import ClusterReloads
 from gateway.workers.loads import LoadGate, LoadRefused
 from gateway.workers.remote import RemoteMembers
 from gateway.workers.upkeep import Upkeep
 from wire import messages as wire
 from wire.states import HOLDS_PROCESS, WorkerState
+
+if TYPE_CHECKING:  # etcd's client comes with it: imported where the etcd backend runs, never on a single host
+    from gateway.workers.cluster_reloads import ClusterReloads
 
 logger = logging.getLogger(__name__)
 
@@ -126,6 +129,8 @@ class Supervisor:
             await self.cluster_loads.start()
         if self.decisions is not None and cluster.backend == "etcd":
             assert cluster.etcd is not None
+            from gateway.workers.cluster_reloads import ClusterReloads
+
             self.cluster_reloads = ClusterReloads(
                 cluster.etcd, self.workers, link, self.decisions.leader, self.cluster.members,
                 self.registry.server.shutdown_grace_s,

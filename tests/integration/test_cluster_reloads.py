@@ -35,8 +35,9 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.cluster.etcd_reloads import EtcdReloads, ReloadRequest
+from gateway.cluster.etcd_reloads import EtcdReloads
 from gateway.cluster.etcd_session import EtcdSession
+from gateway.cluster.reload_request import ReloadRequest
 from gateway.cluster.settings import EtcdSettings
 from tests.etcd_server import EtcdServer, etcd_cluster_section
 from tests.harness import REPO_ROOT, GatewayProcess, free_port, wait_until

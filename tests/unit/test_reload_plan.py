@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from gateway.cluster.etcd_reloads import ReloadRequest
+from gateway.cluster.reload_request import ReloadRequest
 from gateway.config.registry import ModelConfig
 from gateway.workers.cluster_plan import WorkerView
 from gateway.workers.reload_plan import fingerprint, next_steps, worker_changes
