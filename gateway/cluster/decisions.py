@@ -19,9 +19,11 @@ that etcd (or the API server) grants to one caller ever:
   one replica of a model at a time. The reload's other changes (routes, queues, aliases) are each
   gateway's own: every gateway applies them when it is reloaded itself.
 
-A retire that arrives while no
-gateway leads (the leader just died) waits for this gateway to take over, up to the lease's TTL;
-one that arrives at a follower while another leads is refused with 409 `not_leader`.
+A decision asked of a follower first asks the backend who leads (`Leader.holder`). While another
+gateway holds a live leadership it is refused at once with 409 `not_leader`, naming that gateway,
+so the operator knows where to send it. Only while no gateway leads (the leader's lease ran out
+and a takeover is due), or when the backend cannot be read, does it wait for this gateway to take
+over, up to a handover's length (`handover_s`), and then take it or refuse it.
 """
 
 from __future__ import annotations
@@ -30,9 +32,10 @@ import asyncio
 import enum
 import logging
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
-from gateway.cluster.membership import Leader, decide_once
+from gateway.cluster.membership import HolderUnknown, Leader, decide_once
 from gateway.cluster.settings import ClusterConfig
 
 logger = logging.getLogger(__name__)
@@ -44,10 +47,25 @@ class Outcome(enum.Enum):
     NOT_LEADER = "not_leader"  # another gateway leads, or none took over in time
 
 
-class Decisions:
-    def __init__(self, config: ClusterConfig) -> None:
-        from gateway.cluster.backends import make_leader
+@dataclass(frozen=True)
+class Verdict:
+    """What became of a decision, and, when refused, the gateway that leads instead (None: none
+    did, or the backend could not say)."""
 
+    outcome: Outcome
+    leader: str | None = None
+
+
+LeaderFactory = Callable[[ClusterConfig, Callable[[bool], None]], Leader]
+
+
+class Decisions:
+    def __init__(self, config: ClusterConfig, make_leader: LeaderFactory | None = None) -> None:
+        """`make_leader`: the backend's (gateway.cluster.backends) unless a test passes its own."""
+        if make_leader is None:
+            from gateway.cluster import backends
+
+            make_leader = backends.make_leader
         self._leading = asyncio.Event()
         self.leader: Leader = make_leader(config, self._on_change)
         # How long a decision waits for a leader: a handover takes at most the lease's TTL.
@@ -72,14 +90,18 @@ class Decisions:
     async def stop(self) -> None:
         await self.leader.stop()
 
-    async def decide(self, decision: str, action: Callable[[], Awaitable[Any]]) -> Outcome:
-        """Run `action` if this gateway leads (waiting up to a handover for it to lead) and is the
-        first ever to claim `decision`."""
+    async def decide(self, decision: str, action: Callable[[], Awaitable[Any]]) -> Verdict:
+        """Run `action` if this gateway leads and is the first ever to claim `decision`. A follower
+        refuses at once while another gateway leads, and waits up to a handover for this one to
+        lead only while none does."""
         if not self.leader.is_leader:
+            holder = await self._holder()
+            if holder is not None and holder != self.leader.identity:
+                return Verdict(Outcome.NOT_LEADER, holder)
             try:
                 await asyncio.wait_for(self._leading.wait(), self.handover_s)
             except asyncio.TimeoutError:
-                return Outcome.NOT_LEADER
+                return Verdict(Outcome.NOT_LEADER, await self._holder())
         done = False
 
         async def act() -> None:
@@ -90,8 +112,19 @@ class Decisions:
         await decide_once(self.leader, decision, act)
         if done:
             logger.info("decision %s taken by this gateway", decision)
-            return Outcome.DONE
-        return Outcome.ALREADY_DECIDED if self.leader.is_leader else Outcome.NOT_LEADER
+            return Verdict(Outcome.DONE)
+        if self.leader.is_leader:
+            return Verdict(Outcome.ALREADY_DECIDED)
+        return Verdict(Outcome.NOT_LEADER, await self._holder())  # deposed while deciding
+
+    async def _holder(self) -> str | None:
+        """Who leads now, as the backend says; None when no one does or it cannot be read (then the
+        caller waits, as it would for a takeover)."""
+        try:
+            return await self.leader.holder()
+        except HolderUnknown as exc:
+            logger.warning("who leads the cluster is unknown (%s): waiting for a takeover", exc)
+            return None
 
     def view(self) -> dict[str, Any]:
         return {"identity": self.leader.identity, "leader": self.leader.is_leader}

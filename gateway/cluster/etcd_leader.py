@@ -12,6 +12,8 @@ Runs in the gateway process, on its asyncio loop. Owns `EtcdLeader`, one impleme
   refresh, which is later). A watch on the key steps down at once if it is deleted.
 - Wait: a follower watches the key from the revision it saw it at, and campaigns again when it is
   deleted (resigned, or its lease expired).
+- Holder: PREFIX/leader's value, read afresh; the key lives on its holder's lease, so it is there
+  exactly while a leadership is live (etcd deletes it when the lease expires).
 - Claim: a transaction that puts PREFIX/decisions/NAME only if the key does not exist *and*
   PREFIX/leader still has this term; so a decision is taken exactly once, and never by a leader
   that was deposed without knowing it yet.
@@ -26,7 +28,7 @@ from collections.abc import Callable
 import aetcd.exceptions
 
 from gateway.cluster.etcd_session import UNREACHABLE, EtcdSession
-from gateway.cluster.membership import cancel_and_wait
+from gateway.cluster.membership import HolderUnknown, cancel_and_wait
 from gateway.cluster.settings import EtcdSettings
 
 logger = logging.getLogger(__name__)
@@ -100,6 +102,23 @@ class EtcdLeader:
     async def stop(self) -> None:
         await self.resign()
         await self._session.close()
+
+    async def holder(self) -> str | None:
+        # A task of its own: when the campaign finds etcd unreachable it closes the shared client,
+        # which cancels this read; that must read as "unknown", not as this caller being cancelled.
+        reading = asyncio.create_task(self._session.call("get", self._key), name="etcd-leader-holder")
+        try:
+            await asyncio.wait({reading})
+        except asyncio.CancelledError:
+            reading.cancel()
+            raise
+        if reading.cancelled():
+            raise HolderUnknown(f"the read from etcd {self._session.endpoint} was cut short (reconnecting)")
+        error = reading.exception()
+        if isinstance(error, _TROUBLE):
+            raise HolderUnknown(f"etcd {self._session.endpoint} did not answer: {error}") from error
+        found = reading.result()  # raises any other error
+        return found.value.decode(errors="replace") if found is not None else None
 
     async def claim(self, decision: str) -> bool:
         term = self._term

@@ -14,6 +14,12 @@ and one 409 Conflict; the loser stays a follower. A leader that has not renewed 
 `renew_deadline_s` (below the lease duration) steps down on a timer, before anyone may take over.
 Resigning writes an empty holder, so a follower takes over at its next read.
 
+Holder (who leads now, for a decision asked of a follower): the Lease read afresh; its
+holderIdentity, or none when it is empty or renewTime + leaseDurationSeconds has passed. This one
+place compares renewTime with this gateway's clock: it only chooses between refusing a decision at
+once and waiting for a takeover, never who takes over, so a skewed clock can cost a needless wait
+or an early refusal, never a second leader.
+
 Decisions: `claim` creates a Lease named after the decision; creation is atomic (409 AlreadyExists
 for every later caller), so a decision is claimed once. Unlike etcd there is no transaction
 across two objects, so the claim is not fenced by the leadership term: a leader deposed a moment
@@ -26,7 +32,7 @@ import asyncio
 import hashlib
 import logging
 from collections.abc import Callable
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 
 from lightkube import AsyncClient
 from lightkube.core.exceptions import ApiError
@@ -35,7 +41,7 @@ from lightkube.models.meta_v1 import ObjectMeta
 from lightkube.resources.coordination_v1 import Lease
 
 from gateway.cluster.k8s_membership import API_TROUBLE, api_client
-from gateway.cluster.membership import cancel_and_wait
+from gateway.cluster.membership import HolderUnknown, cancel_and_wait
 from gateway.cluster.settings import KubernetesSettings
 
 logger = logging.getLogger(__name__)
@@ -104,6 +110,26 @@ class LeaseLeader:
         await self.resign()
         if self._owns_client:
             await self._client.close()
+
+    async def holder(self) -> str | None:
+        try:
+            lease = await asyncio.wait_for(
+                self._client.get(Lease, self._settings.lease_name, namespace=self._settings.namespace),
+                self._settings.request_timeout_s,
+            )
+        except ApiError as exc:
+            if exc.status.code == 404:  # never created: nobody has led yet
+                return None
+            raise HolderUnknown(f"the Lease could not be read: {exc}") from exc
+        except API_TROUBLE as exc:
+            raise HolderUnknown(f"the API did not answer: {exc}") from exc
+        spec = lease.spec or LeaseSpec()
+        if not spec.holderIdentity:
+            return None
+        duration = timedelta(seconds=spec.leaseDurationSeconds or self._settings.lease_duration_s)
+        if spec.renewTime is not None and spec.renewTime + duration <= _now():
+            return None  # not renewed in time: the holder is gone, a takeover is due
+        return spec.holderIdentity
 
     async def claim(self, decision: str) -> bool:
         if not self.is_leader:

@@ -5,8 +5,10 @@ Runs in the gateway process. The worker publishes its own record (model_worker.r
 same JSON fields) without importing this module: the two processes never import each other.
 
 A backend (etcd or Kubernetes) owns how records are found; the gateway sees only `Membership`
-(who is there now, and what changed) and `Leader` (am I the one who decides, and claim a decision
-exactly once). Both keep working from their last view while their backend is unreachable.
+(who is there now, and what changed) and `Leader` (am I the one who decides, who does now, and
+claim a decision exactly once). Both keep working from their last view while their backend is
+unreachable; `Leader.holder` alone asks the backend each time, and says so when it cannot
+(`HolderUnknown`).
 """
 
 from __future__ import annotations
@@ -93,6 +95,10 @@ class Membership(Protocol):
         One consumer: the gateway's link layer, which connects on join and forgets on leave."""
 
 
+class HolderUnknown(Exception):
+    """The backend could not be read (unreachable, or no answer in time): who leads is not known."""
+
+
 class Leader(Protocol):
     """One gateway of many decides what must be decided once (loads, GPU groups, reloads)."""
 
@@ -110,6 +116,11 @@ class Leader(Protocol):
 
     @property
     def identity(self) -> str: ...
+
+    async def holder(self) -> str | None:
+        """The identity of the gateway that holds a live leadership now, read from the backend (this
+        gateway's own, when it leads); None when none does (a takeover is due). Raises
+        `HolderUnknown` when the backend cannot be read."""
 
     async def claim(self, decision: str) -> bool:
         """Atomically mark `decision` (a key such as `load/qwen/3`) as taken by this leader: True

@@ -153,11 +153,14 @@ async def retire_worker(worker_id: str) -> Any:
         if not gateway.link.send(worker_id, wire.Retire(grace_s)):
             logger.warning("retire of %s decided, but the frame could not be sent now", worker_id)
 
-    outcome = await decisions.decide(decision, send_retire)
-    body = {"worker": worker_id, "decision": decision, "outcome": outcome.value, **decisions.view()}
-    if outcome is Outcome.NOT_LEADER:
-        raise NotLeader(f"this gateway ({decisions.leader.identity}) does not lead the cluster; ask again")
-    return jsonify(body), 202 if outcome is Outcome.DONE else 200
+    verdict = await decisions.decide(decision, send_retire)
+    body = {"worker": worker_id, "decision": decision, "outcome": verdict.outcome.value, **decisions.view()}
+    if verdict.outcome is Outcome.NOT_LEADER:
+        here = f"this gateway ({decisions.leader.identity}) does not lead the cluster"
+        if verdict.leader is not None:
+            raise NotLeader(f"{here}: gateway {verdict.leader} leads it; send the request there")
+        raise NotLeader(f"{here} and no gateway took over within {decisions.handover_s:g} s; ask again")
+    return jsonify(body), 202 if verdict.outcome is Outcome.DONE else 200
 
 
 @blueprint.get("/admin/cluster")

@@ -4,7 +4,8 @@ while the others still reach etcd.
 
 Runs in the pytest process. Checks: one leader at a time, on every contender's own clock (the
 deposed leader steps down before another takes over); takeover within the lease TTL; an
-immediate handover on resign; and a decision claimed exactly once while contenders race and the
+immediate handover on resign; every contender reading the same holder (none once all resigned,
+unknown while cut off); and a decision claimed exactly once while contenders race and the
 leadership moves.
 """
 
@@ -21,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from gateway.cluster.etcd_leader import EtcdLeader
-from gateway.cluster.membership import decide_once
+from gateway.cluster.membership import HolderUnknown, decide_once
 from gateway.cluster.settings import EtcdSettings
 from tests.etcd_server import EtcdServer
 from tests.harness import async_wait_until
@@ -124,8 +125,11 @@ def test_one_leader_and_another_takes_over_within_the_ttl_when_it_is_cut_off(etc
             term = first.leader.term
             assert term is not None
             assert [c.leader.term for c in group if c is not first] == [None, None]
+            assert [await c.leader.holder() for c in group] == [first.name] * 3
 
             first.relay.cut()  # its keepalive no longer reaches etcd
+            with pytest.raises(HolderUnknown):
+                await first.leader.holder()
             cut_at = time.monotonic()
             others = [c for c in group if c is not first]
             second = await one_leader(group, among=others)
@@ -135,6 +139,7 @@ def test_one_leader_and_another_takes_over_within_the_ttl_when_it_is_cut_off(etc
             # The deposed leader stepped down on its own clock before the new one began.
             assert first.changes[-1][1] is False and first.changes[-1][0] <= second.changes[-1][0]
             assert second.leader.term is not None and second.leader.term > term
+            assert [await c.leader.holder() for c in others] == [second.name] * 2
 
             # Reconnected, it follows: the leader stays. When the other two go, it leads again.
             first.relay.mend()
@@ -158,6 +163,9 @@ def test_resign_hands_over_at_once(etcd: EtcdServer) -> None:
             # Without the resignation the lease would live TTL_S more; the follower saw the delete.
             assert time.monotonic() - resigned_at < TTL_S / 2
             assert second is not first
+            assert [await c.leader.holder() for c in group] == [second.name] * 2
+            await second.leader.resign()  # neither campaigns now: no one leads
+            assert [await c.leader.holder() for c in group] == [None, None]
             assert_never_two_leaders(group)
 
     asyncio.run(scenario())

@@ -1,9 +1,10 @@
 """Cluster mode on etcd, end to end: listening workers register themselves, a gateway follows.
 
 A second test runs two gateways on one etcd: one leads; retiring a worker (a decision taken once
-for the whole cluster, gateway.cluster.decisions) asked of the follower twice at once while the
-leader has just been SIGKILLed waits for the follower to take over, within the lease's TTL, and
-happens exactly once.
+for the whole cluster, gateway.cluster.decisions) asked of the follower is refused at once with
+409 not_leader naming the leader, also just after the leader was SIGKILLed (its lease lives on
+until its TTL runs out); the follower takes over within the lease's TTL, and then the retire,
+asked of it twice at once, happens exactly once.
 
 Real processes: etcd (Debian's etcd-server, on free loopback ports), `model-worker --listen`
 (transformers on the demo model, tcp with CURVE) that registers itself in etcd from its registry
@@ -33,6 +34,9 @@ from tests.integration.conftest import demo_entry, write_registry
 TTL_S = 3
 # etcd looks for expired leases every 500 ms; the delete then reaches the watch and the gateway.
 EXPIRY_SLACK_S = 2.0
+# A follower asked for a decision while another gateway leads answers within one etcd read; a
+# handover (what it waited before) is the TTL, a second and a retry interval: over 4 s here.
+QUICK_REFUSAL_S = 2.5
 
 
 class EtcdCluster:
@@ -146,40 +150,73 @@ def test_workers_found_in_etcd_are_served_and_forgotten_when_their_lease_expires
         assert reply.json()["usage"]["completion_tokens"] == 4
 
 
+def _view(gateway: GatewayProcess) -> dict[str, Any]:
+    return httpx.get(gateway.url + "/admin/cluster", timeout=5).json()["leader_election"]
+
+
 def _leads(gateway: GatewayProcess) -> bool:
-    view = httpx.get(gateway.url + "/admin/cluster", timeout=5).json()["leader_election"]
-    return bool(view["leader"])
+    return bool(_view(gateway)["leader"])
 
 
-def test_a_decision_asked_during_a_handover_is_taken_once_by_the_new_leader(cluster: EtcdCluster) -> None:
+def _retire(gateway: GatewayProcess) -> httpx.Response:
+    return httpx.post(gateway.url + "/admin/workers/shared@a/retire", params={"grace_s": 1}, timeout=30)
+
+
+def _assert_refused_at_once_naming(gateway: GatewayProcess, leader_id: str) -> float:
+    """A retire asked of `gateway`, a follower while `leader_id` holds a live lease: 409 not_leader
+    naming the leader, well within a handover (the TTL and more), since no takeover is due."""
+    asked_at = time.monotonic()
+    refused = _retire(gateway)
+    took = time.monotonic() - asked_at
+    assert refused.status_code == 409, refused.text
+    error = refused.json()["error"]
+    assert error["code"] == "not_leader" and error["type"] == "invalid_request_error", error
+    assert f"gateway {leader_id} leads it" in error["message"], error
+    assert took < QUICK_REFUSAL_S, took
+    return took
+
+
+def test_a_follower_refuses_while_another_leads_and_decides_once_after_the_takeover(
+    cluster: EtcdCluster,
+) -> None:
     worker = cluster.start_worker("a", 0)
     with GatewayProcess(cluster.config) as first:
         wait_until(lambda: _leads(first), "the first gateway to lead", 30, context=first.events)
+        first_id = _view(first)["identity"]
         with GatewayProcess(cluster.config) as second:
             assert not _leads(second)
             assert (_row(second, "shared@a") or {}).get("state") == "ready"
+            took = _assert_refused_at_once_naming(second, first_id)
+            print(f"retire asked of the follower while the leader lives -> 409 after {took:.2f} s")
+
             first.process.send_signal(signal.SIGKILL)  # the leader dies without resigning
             killed_at = time.monotonic()
             first.process.wait(10)
+            # Its lease lives on until its TTL runs out: to etcd it leads still, and a follower
+            # cannot tell it from a live one, so the answer is the same.
+            took = _assert_refused_at_once_naming(second, first_id)
+            print(f"retire asked while the dead leader's lease lasts -> 409 after {took:.2f} s")
+            wait_until(
+                lambda: _leads(second),
+                "the follower to take over",
+                TTL_S + EXPIRY_SLACK_S + 5,
+                poll_s=0.02,
+                context=second.events,
+            )
+            took = time.monotonic() - killed_at
+            print(f"leader SIGKILLed -> the follower leads after {took:.2f} s (TTL {TTL_S} s)")
+            assert took < TTL_S + EXPIRY_SLACK_S, took
 
-            answers: list[tuple[httpx.Response, float]] = []
-
-            def retire() -> None:
-                reply = httpx.post(
-                    second.url + "/admin/workers/shared@a/retire", params={"grace_s": 1}, timeout=30
-                )
-                answers.append((reply, time.monotonic() - killed_at))
-
-            asking = [threading.Thread(target=retire) for _ in range(2)]
+            answers: list[httpx.Response] = []
+            asking = [threading.Thread(target=lambda: answers.append(_retire(second))) for _ in range(2)]
             for thread in asking:
                 thread.start()
             for thread in asking:
                 thread.join(30)
-            outcomes = sorted(reply.json().get("outcome", reply.text) for reply, _ in answers)
-            assert outcomes == ["already_decided", "done"], [r.text for r, _ in answers]
-            done = next(at for reply, at in answers if reply.json()["outcome"] == "done")
-            assert done < TTL_S + EXPIRY_SLACK_S, done  # the follower took over within the lease's TTL
-            assert _leads(second)
+            # One decides. The other finds it claimed, or, when it comes after the retired worker
+            # (no job to drain) has left already, finds no such worker.
+            outcomes = sorted(str(reply.json().get("outcome", reply.status_code)) for reply in answers)
+            assert outcomes in (["already_decided", "done"], ["404", "done"]), [r.text for r in answers]
 
             # Exactly once: the worker was told once, drains, exits, and leaves every view at once.
             worker.wait(30)

@@ -19,7 +19,7 @@ import pytest
 
 from gateway.cluster.k8s_leader import LeaseLeader
 from gateway.cluster.k8s_membership import KubernetesMembership
-from gateway.cluster.membership import MembershipChange, WorkerRecord, decide_once
+from gateway.cluster.membership import HolderUnknown, MembershipChange, WorkerRecord, decide_once
 from gateway.cluster.settings import KubernetesSettings
 from tests.fake_kube_api import FakeKubeApi, endpoint_slice
 from tests.harness import async_wait_until
@@ -298,6 +298,45 @@ def test_one_lease_holder_and_a_takeover_after_the_lease_duration() -> None:
             assert_never_two_leaders(group)
 
     asyncio.run(scenario())
+
+
+def test_the_holder_is_read_from_the_lease_and_none_once_it_ran_out() -> None:
+    """What a follower asked for a decision reads: the Lease's holder, none before the Lease exists
+    and once renewTime + leaseDurationSeconds has passed, unknown while the API cannot be reached."""
+
+    async def scenario() -> None:
+        async with fake_api() as api, contenders(api, 2, start=False) as group:
+            observer = LeaseLeader(settings(f"http://127.0.0.1:{api.port}"), "observer")  # never campaigns
+            try:
+                assert await observer.holder() is None  # no Lease yet
+                for contender in group:
+                    await contender.leader.start()
+                first = await one_leader(group)
+                assert [await c.leader.holder() for c in group] == [first.name] * 2
+                assert await observer.holder() == first.name
+
+                first.relay.cut()
+                with pytest.raises(HolderUnknown):
+                    await first.leader.holder()
+
+                # Nobody can renew or take over now: the Lease runs out, and with it the holder.
+                for contender in group:
+                    contender.relay.cut()
+                cut_at = time.monotonic()
+                assert await observer.holder() == first.name
+                await async_wait_until(lambda: _no_holder(observer), "the Lease to run out", 10, poll_s=0.05)
+                took = time.monotonic() - cut_at
+                duration = observer._settings.lease_duration_s  # noqa: SLF001
+                # The last renewal was at most a retry period before the cut.
+                assert duration - 0.3 - 0.2 <= took <= duration + 1.0, f"ran out after {took:.2f} s"
+            finally:
+                await observer.stop()
+
+    asyncio.run(scenario())
+
+
+async def _no_holder(leader: LeaseLeader) -> bool:
+    return await leader.holder() is None
 
 
 def test_a_decision_is_claimed_once_through_the_api() -> None:

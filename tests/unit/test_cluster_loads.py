@@ -73,6 +73,9 @@ class _Leader:
         self.is_leader = True
         self.identity = "gw"
 
+    async def holder(self) -> str | None:
+        return self.identity if self.is_leader else None
+
     async def claim(self, decision: str) -> bool:
         if not self.is_leader or decision in self.claimed:
             return False
