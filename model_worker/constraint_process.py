@@ -36,7 +36,7 @@ class Compiled:
 
 def _serve(conn: Connection) -> None:
     """The child: compile what arrives until the worker closes the pipe (or dies: EOF)."""
-    from model_worker.engines.structured_output import compile_parser
+    from model_worker.engines.structured_output import compile_parser, dumps_parser
 
     compile_parser(SamplingParams(json_object=True))  # the imports, before the first clock starts
     conn.send(("ready",))
@@ -46,7 +46,7 @@ def _serve(conn: Connection) -> None:
         except (EOFError, OSError):
             return
         try:
-            reply: tuple[Any, ...] = ("compiled", pickle.dumps(compile_parser(params)))
+            reply: tuple[Any, ...] = ("compiled", dumps_parser(compile_parser(params)))
         except RequestRejected as exc:
             reply = ("rejected", exc.code, exc.message, exc.param)
         except Exception as exc:  # the libraries raise many types for what they cannot build

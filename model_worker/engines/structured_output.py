@@ -13,9 +13,12 @@ here is imported by the gateway; this module imports it lazily, only when a job 
 
 from __future__ import annotations
 
+import copyreg
 import functools
+import io
 import json
 import logging
+import pickle
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable
@@ -70,10 +73,30 @@ def compile_parser(params: SamplingParams) -> Any:
     """Build the parser and every automaton it will need, and cache it; RequestRejected if the
     schema or expression cannot be enforced."""
     parser = _new_parser(params)
+    context = getattr(parser, "context", None)
+    if context is not None and hasattr(context, "regex_parser_cache"):
+        # The library's cache is a dict on its context class, which pickling leaves behind: built in
+        # the compiler's process, the automata reached the worker only as a rebuild mid-step.
+        context.regex_parser_cache = {}
     for pattern in _schema_patterns(params):
         _build_pattern(parser, pattern)
     remember_parser(params, parser)
     return parser
+
+
+def dumps_parser(parser: Any) -> bytes:
+    """A compiled parser as bytes for the worker, its automata included.
+
+    interegular marks "any other character" with one module-level object that automata compare by
+    identity; pickled by value it would come back as a stranger, and every automaton with a negated
+    class would fail in the worker. It travels as a reference to that object instead."""
+    from interegular.fsm import _AnythingElseCls
+
+    buffer = io.BytesIO()
+    pickler = pickle.Pickler(buffer, protocol=pickle.HIGHEST_PROTOCOL)
+    pickler.dispatch_table = {**copyreg.dispatch_table, _AnythingElseCls: lambda _: "anything_else"}
+    pickler.dump(parser)
+    return buffer.getvalue()
 
 
 def remember_parser(params: SamplingParams, parser: Any) -> None:

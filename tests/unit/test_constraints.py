@@ -7,10 +7,11 @@ from __future__ import annotations
 import json
 
 import pytest
+from lmformatenforcer import RegexParser
 
 from model_worker.constraints import ConstraintCompiler, estimated_states
 from model_worker.engines.base import RequestRejected
-from model_worker.engines.structured_output import is_compiled
+from model_worker.engines.structured_output import build_parser, is_compiled
 from tests.harness import wait_until
 from wire.params import SamplingParams
 
@@ -61,3 +62,35 @@ def test_budgets_and_cache() -> None:
         assert not compiler.needed(SamplingParams())  # no constraint: nothing to wait for
     finally:
         compiler.close()
+
+
+def test_compiled_parsers_reach_the_worker_whole(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the compiler's process built is what the worker steps with: a schema pattern's automaton
+    comes along (no step ever builds one, which took seconds mid-step for large patterns), and an
+    automaton with a negated class still knows "any other character" after the trip."""
+    import interegular
+
+    in_schema = schema("^[a-z]{1,40}[0-9]$")
+    negated = SamplingParams(regex="[^a]{2,5}")
+    compiler = ConstraintCompiler(timeout_s=60, max_states=4096)
+    try:
+        for params in (in_schema, negated):
+            assert compiler.needed(params)
+            assert wait(compiler, compiler.start(params)) is True
+    finally:
+        compiler.close()
+
+    def no_automaton_here(*_: object, **__: object) -> None:
+        raise AssertionError("an automaton was built in the worker")
+
+    monkeypatch.setattr(interegular, "parse_pattern", no_automaton_here)
+    parser = build_parser(in_schema)
+    for character in '{"s": "ab':
+        parser = parser.add_character(character)
+    allowed = parser.get_allowed_characters()
+    assert "z" in allowed and "9" in allowed and "A" not in allowed
+
+    parser = build_parser(negated).add_character("b")
+    allowed = parser.get_allowed_characters()
+    assert "c" in allowed and "a" not in allowed
+    assert parser.add_character("a").current_state == RegexParser.INVALID_STATE
