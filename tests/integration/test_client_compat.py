@@ -156,6 +156,8 @@ def test_structured_output_extensions_are_enforced(gateway: GatewayProcess) -> N
         {"structured_outputs": {"regex": pattern}},
     ):
         assert re.fullmatch(pattern, complete(gateway, **body)["text"]), body
+    negated = "[^0-9]{3}"  # "any other character": an automaton state of its own
+    assert re.fullmatch(negated, complete(gateway, guided_regex=negated)["text"], re.DOTALL)
     for body in (
         {"guided_choice": ["sunny", "rainy (cold)"]},
         {"structured_outputs": {"choice": ["sunny", "rainy (cold)"]}},
