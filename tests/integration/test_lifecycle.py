@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -95,6 +97,42 @@ def test_client_disconnect_cancels_the_job(two_model_gateway: GatewayProcess, st
     after = wait_until(cancelled, "the job to be cancelled", context=gateway.events)
     assert after["stats"]["jobs_finished"] == before["stats"]["jobs_finished"], after["stats"]
     assert all(w["in_flight"] == 0 for w in gateway.workers())
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_client_gone_as_its_request_arrives_cancels_the_job(
+    two_model_gateway: GatewayProcess, stream: bool
+) -> None:
+    """The request and the client's close reach the gateway together: the app reads the body and
+    the disconnect in one go, so the cancel lands just as the body is complete (where Python 3.10
+    and 3.11's wait_for, inside Quart's get_data, used to swallow it and the job ran to its end)."""
+    gateway = two_model_gateway
+    (before,) = settled_workers(gateway, [medium_worker(gateway)["id"]])
+    request_id = f"gone-on-arrival-{stream}"
+    body = json.dumps(
+        {
+            "model": "demo-medium",
+            "prompt": "Keep going",
+            "max_tokens": 2000,
+            "ignore_eos": True,
+            "stream": stream,
+        }
+    ).encode()
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        f"X-Request-ID: {request_id}\r\nContent-Length: {len(body)}\r\n\r\n"
+    ).encode()
+    with socket.create_connection(("127.0.0.1", gateway.port)) as client:
+        client.sendall(head + body)  # and close at once: the FIN follows the body
+
+    def access_line() -> str | None:
+        return next((line for line in gateway.log().splitlines() if f"request_id={request_id}" in line
+                     and " gateway.access: " in line), None)  # fmt: skip
+
+    line = wait_until(access_line, "the request's access line", context=gateway.events)
+    assert " 499 " in line, line
+    (after,) = settled_workers(gateway, [before["id"]])
+    assert after["stats"]["jobs_finished"] == before["stats"]["jobs_finished"], after["stats"]
 
 
 def _start_small_gateway(tmp_path: Path, demo_model_dir: Path) -> GatewayProcess:

@@ -260,11 +260,6 @@ def test_keepalive_comments_while_waiting_in_worker_queue(gateway: GatewayProces
     assert seen[-1] == (None, "[DONE]")
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="quarantined 2026-11-26: in full fresh-clone runs 1-2 jobs per worker, of clients cancelled "
-    "50 ms in, ran to their end (a leak under investigation; passes alone and with its module)",
-)
 def test_disconnect_storm_leaves_no_jobs(gateway: GatewayProcess) -> None:
     wait_ready(gateway, "faulty")
 
