@@ -331,7 +331,12 @@ class WorkerLink:
         try:
             if not self.send_frame(worker_id, frame):
                 return False
-            return await asyncio.wait_for(pending.reply, timeout_s)
+            # asyncio.wait, not wait_for: before Python 3.12 that drops a cancel (the client left)
+            # landing as the reply arrives, and the request would go on for nobody.
+            done, _ = await asyncio.wait({pending.reply}, timeout=timeout_s)
+            if not done:
+                raise asyncio.TimeoutError  # what callers catch (TimeoutError itself from 3.11)
+            return pending.reply.result()
         finally:
             self._exchanges.pop(message.rid, None)
 
