@@ -12,7 +12,8 @@ Runs in the gateway process, on its asyncio loop. Owns the keys under `PREFIX/re
   incarnation after it; a gateway asking for the same change again leaves those workers be.
 
 No lease: a reload asked for outlives the gateway that asked. The decisions themselves (which
-worker to unload, to load) are the leader's claims under `PREFIX/decisions/`, read here too.
+worker to unload, to load) are the leader's claims under `PREFIX/decisions/`, read here too, and
+those under `reload/FINGERPRINT/` deleted when the reload finishes.
 """
 
 from __future__ import annotations
@@ -93,12 +94,15 @@ class EtcdReloads:
         return {kv.key.decode()[len(decisions) :] for kv in listing}
 
     async def finish(self, request: ReloadRequest, incarnations: dict[str, str], leader: str) -> None:
-        """The reload is done: record each worker's incarnation now, then forget the request."""
+        """The reload is done: record each worker's incarnation now, then forget the request and
+        the decisions taken for it (each named after an incarnation that has now ended, so none
+        can come up again; left in etcd, every reload would add its keys for good)."""
         body = {"workers": incarnations, "models": list(request.models), "by": leader}
         await self._call(
             "put", self._applied_key(request.fingerprint), json.dumps(body, sort_keys=True).encode()
         )
         await self._call("delete", self._pending_key(request.fingerprint))
+        await self._call("delete_prefix", f"{self._prefix}decisions/reload/{request.fingerprint}/".encode())
 
     async def finished(self, fingerprint: str) -> bool:
         """Whether no reload of this change is pending (the last one finished)."""

@@ -6,7 +6,8 @@ Runs in the gateway process, on its asyncio loop; started by the supervisor when
 gateway's wants (gateway.cluster.etcd_wants: a request waits for a model whose workers all stand
 by), and, on the leader only, a round every `TICK_S`: read every gateway's wants and the workers'
 states, ask gateway.workers.cluster_plan what to do, claim each decision once
-(`decide_once`) and send the worker Load or Unload.
+(`decide_once`) and send the worker Load or Unload, and delete the decisions whose worker has
+moved on to another standby period (cluster_plan.ended).
 
 Exactly once: the claim is written before the message is sent, so a new leader never claims a
 decision again. A claimed decision whose worker still stands in the same standby period (its
@@ -29,7 +30,7 @@ from gateway.cluster.settings import ClusterConfig
 from gateway.config.registry import Registry
 from gateway.link.handle import WorkerHandle
 from gateway.link.worker_link import WorkerLink
-from gateway.workers.cluster_plan import Action, WorkerView, plan
+from gateway.workers.cluster_plan import Action, WorkerView, ended, plan
 from wire import messages as wire
 
 if TYPE_CHECKING:  # etcd's client is imported only where on-demand loads run, never on a single host
@@ -63,6 +64,7 @@ class ClusterLoads:
         self._workers, self._leader, self._wants = workers, leader, wants
         self._host_of = host_of
         self._sender = DecisionSender(link, leader, grace_s)
+        self._taken: dict[str, tuple[str, str]] = {}  # decision -> (worker, incarnation), until it ended
         self._task: asyncio.Task[None] | None = None
 
     @classmethod
@@ -107,17 +109,35 @@ class ClusterLoads:
             await asyncio.sleep(TICK_S)
             if not self._leader.is_leader:
                 self._sender.forget()  # a later leadership starts from what etcd and the workers say
+                self._taken.clear()
                 continue
             try:
                 wanted = await self._wants.wanted()
             except UNREACHABLE as exc:
                 logger.debug("wants not read: %s", exc)
                 continue
-            for action in plan(wanted, worker_views(self._workers, self._host_of)):
+            views = worker_views(self._workers, self._host_of)
+            incarnations = {view.worker_id: view.incarnation for view in views}
+            for action in plan(wanted, views):
                 try:
                     await self._sender.act(action)
                 except Exception:  # one failed decision must not end the rounds
                     logger.exception("decision %s failed", action.decision)
+                else:
+                    self._taken[action.decision] = (action.worker_id, incarnations[action.worker_id])
+            await self._forget_ended(views)
+
+    async def _forget_ended(self, views: list[WorkerView]) -> None:
+        """Delete the decisions this leadership took (or found taken) once their worker has moved
+        on. Those of a leader gone before its worker moved on stay behind: at most one per worker
+        and handover."""
+        for decision in ended(self._taken, views):
+            try:
+                await self._leader.forget(decision)
+            except Exception as exc:  # etcd away: tried again next round
+                logger.debug("decision %s not forgotten yet: %s", decision, exc)
+                return
+            del self._taken[decision]
 
 
 def host_finder(members: Callable[[], Mapping[str, WorkerRecord]]) -> Callable[[str], str | None]:

@@ -13,6 +13,9 @@ claim once, ever:
   wanted models of one group on one host, one loads per round, the first by name;
 - idle unloads: a ready worker of a model with `idle_unload_s` that has held no job of any gateway
   for that long (its own count, in its heartbeats), and that no gateway wants now, is unloaded.
+
+And which of the decisions taken have `ended`: their worker has moved on, so the leader deletes
+them (every load and unload would otherwise leave its key in etcd for good).
 """
 
 from __future__ import annotations
@@ -42,6 +45,11 @@ class WorkerView:
     idle_s: float | None = None  # no job for this long, as of its last heartbeat
     idle_unload_s: float | None = None  # its model's
 
+    @property
+    def incarnation(self) -> str:
+        """Its process and standby period: a decision about it is named after this."""
+        return f"{self.pid}-{self.epoch}"
+
 
 @dataclass(frozen=True)
 class Action:
@@ -53,7 +61,7 @@ class Action:
 
 
 def _action(kind: Literal["load", "unload"], worker: WorkerView, why: str) -> Action:
-    decision = f"{kind}/{worker.worker_id}/{worker.pid}-{worker.epoch}"
+    decision = f"{kind}/{worker.worker_id}/{worker.incarnation}"
     return Action(kind, worker.worker_id, worker.epoch, why, decision)
 
 
@@ -106,3 +114,12 @@ def plan(wanted: set[str], workers: list[WorkerView]) -> list[Action]:
             why = f"idle for {worker.idle_s:.0f}s (idle_unload_s {limit:g})"
             actions.setdefault(worker.worker_id, _action("unload", worker, why))
     return list(actions.values())
+
+
+def ended(taken: dict[str, tuple[str, str]], workers: list[WorkerView]) -> list[str]:
+    """The decisions in `taken` (decision -> the worker and incarnation it was about) whose worker
+    has moved on to another incarnation, or is no member now. Such a name comes up again only for
+    a new process that happens to reach the same standby period, and for that one a claim anew is
+    right; until the worker moves on, its decision must stay (a new leader must not claim it again)."""
+    now = {w.worker_id: w.incarnation for w in workers}
+    return [decision for decision, (worker_id, was) in taken.items() if now.get(worker_id) != was]

@@ -63,7 +63,7 @@ def fingerprint(changed: Mapping[str, ModelConfig]) -> str:
 
 def incarnation(worker: WorkerView) -> str:
     """A worker's process and standby period: both change when it is restarted or reloaded."""
-    return f"{worker.pid}-{worker.epoch}"
+    return worker.incarnation
 
 
 def unload_decision(request: ReloadRequest, worker_id: str, was: str) -> str:

@@ -13,6 +13,7 @@ TTL, the worker loads once, and the waiting request is served. Every wait is on 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import signal
@@ -27,6 +28,7 @@ from typing import Any
 import httpx
 import pytest
 
+from gateway.cluster.etcd_session import EtcdSession
 from tests.etcd_server import EtcdServer, etcd_cluster_section
 from tests.harness import REPO_ROOT, GatewayProcess, free_port, wait_until
 from tests.integration.conftest import demo_entry, write_registry
@@ -42,6 +44,7 @@ UNLOADED = "unloading on request of the leading gateway"
 class OnDemandCluster:
     def __init__(self, root: Path, model_dir: Path, etcd: EtcdServer) -> None:
         self.root = root
+        self.etcd = etcd
         self.keys = root / "keys"
         subprocess.run(
             [sys.executable, "-m", "gateway", "keys", str(self.keys), "--name", "gateway",
@@ -107,6 +110,22 @@ def _leads(gateway: GatewayProcess) -> bool:
     return bool(view["leader"])
 
 
+def _decisions(cluster: OnDemandCluster) -> set[str]:
+    """The decisions in etcd now, as named when claimed."""
+    prefix = "/on-demand-test/decisions/"
+
+    async def read() -> set[str]:
+        session = EtcdSession([cluster.etcd.endpoint], 5.0)
+        try:
+            return {
+                kv.key.decode()[len(prefix) :] for kv in await session.call("get_prefix", prefix.encode())
+            }
+        finally:
+            await session.close()
+
+    return asyncio.run(read())
+
+
 def _complete(gateway: GatewayProcess, model: str) -> httpx.Response:
     return httpx.post(
         gateway.url + "/v1/completions",
@@ -148,12 +167,17 @@ def test_a_request_at_the_follower_loads_once_and_an_idle_worker_goes_back_to_st
         assert cluster.worker_log("lazy").count(LOADED) == 1
         assert leader.log().count("decided: load lazy@w") == 1
         assert "decided:" not in follower.log()  # the follower wanted it; the leader decided
+        assert _decisions(cluster) == {f"load/lazy@w/{worker.pid}-1"}
 
         # Idle past idle_unload_s: the leader unloads it, every gateway sees it stand by again.
         _in_every([leader, follower], "lazy@w", "unloaded", "idle unload", 30)
         assert cluster.worker_log("lazy").count(UNLOADED) == 1
         assert "model unloaded; its memory is free" in cluster.worker_log("lazy")
         assert worker.poll() is None  # the process stays, registered
+        # Its load and unload were about a standby period now over: the leader deletes them.
+        wait_until(
+            lambda: not _decisions(cluster), "the ended decisions to be deleted", 30, context=leader.events
+        )
 
         # Wanted again: loaded again (a new standby period, a new decision), and served.
         reply = _complete(leader, "lazy")

@@ -289,26 +289,34 @@ def test_the_leader_killed_mid_reload_the_next_leader_finishes_it_once(make_clus
         assert cluster.worker_log(worker_id).count(NEW_SETTINGS) == 1
 
 
-def test_one_change_is_asked_once_and_a_key_that_is_no_request_is_skipped(tmp_path: Path) -> None:
+def test_one_change_is_asked_once_a_key_that_is_no_request_is_skipped_and_its_decisions_go_with_it(
+    tmp_path: Path,
+) -> None:
     etcd = EtcdServer(tmp_path)
     etcd.start()
 
     async def scenario() -> None:
         settings = EtcdSettings(endpoints=[etcd.endpoint], prefix="/records/")
         reloads = EtcdReloads(settings)
+        writer = EtcdSession(settings.endpoints, settings.request_timeout_s)  # not a gateway
         try:
             first = ReloadRequest("fp1", ("a",), {"a@x": "7-0"}, "gw-1")
             assert await reloads.ask(first) == first
             # The same change from another gateway, which saw other incarnations: the first stands.
             assert await reloads.ask(ReloadRequest("fp1", ("a",), {"a@x": "7-1"}, "gw-2")) == first
-            writer = EtcdSession(settings.endpoints, settings.request_timeout_s)  # not a gateway
             await writer.call("put", b"/records/reloads/pending/junk", b"not json")
-            await writer.close()
             assert await reloads.pending() == [first]
             assert not await reloads.finished("fp1")
+            for decision in ("reload/fp1/unload/a@x/7-0", "reload/fp2/unload/b@x/8-0"):
+                await writer.call("put", f"/records/decisions/{decision}".encode(), b"gw-1 term 5")
+            assert await reloads.claimed("fp1") == {"reload/fp1/unload/a@x/7-0"}
             await reloads.finish(first, {"a@x": "7-1"}, "gw-1")
             assert await reloads.finished("fp1") and await reloads.applied("fp1") == {"a@x": "7-1"}
+            # Its decisions are gone with it; another change's stay.
+            assert await reloads.claimed("fp1") == set()
+            assert await reloads.claimed("fp2") == {"reload/fp2/unload/b@x/8-0"}
         finally:
+            await writer.close()
             await reloads.close()
 
     try:

@@ -9,7 +9,7 @@ import asyncio
 from typing import Any
 
 from gateway.workers.cluster_loads import DecisionSender
-from gateway.workers.cluster_plan import WorkerView, plan
+from gateway.workers.cluster_plan import WorkerView, ended, plan
 from wire import messages as wire
 from wire.states import WorkerState
 
@@ -63,6 +63,21 @@ def test_an_idle_worker_is_unloaded_unless_its_model_is_wanted() -> None:
     assert _decided({"a"}, [idle]) == []
     assert _decided(set(), [_w("a@1", S.READY, idle_s=29.0, idle_unload_s=30.0)]) == []
     assert _decided(set(), [_w("a@1", S.READY, idle_s=99.0)]) == []  # no idle_unload_s
+
+
+def test_a_decision_ends_when_its_worker_moves_on_or_leaves() -> None:
+    taken = {
+        "load/a@1/7-4": ("a@1", "7-4"),  # loaded from period 4, still: stays
+        "unload/b@1/8-2": ("b@1", "8-2"),  # unloaded: its period is 3 now
+        "load/c@1/9-1": ("c@1", "9-1"),  # no member now
+        "load/d@1/5-1": ("d@1", "5-1"),  # restarted: another process
+    }
+    workers = [
+        _w("a@1", S.READY, epoch=4),
+        _w("b@1", S.UNLOADED, pid=8, epoch=3),
+        _w("d@1", S.UNLOADED, pid=6),
+    ]
+    assert sorted(ended(taken, workers)) == ["load/c@1/9-1", "load/d@1/5-1", "unload/b@1/8-2"]
 
 
 class _Leader:
