@@ -29,7 +29,8 @@ from gateway.tools.stream import ToolCallStream
 from wire.results import FinishReason, TokenLogprob
 
 if TYPE_CHECKING:
-    from gateway.serving.request_owner import Choice, RequestOwner
+    from gateway.serving.choice import Choice
+    from gateway.serving.request_owner import RequestOwner
 
 SSE_DONE = b"data: [DONE]\n\n"
 

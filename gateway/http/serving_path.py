@@ -30,8 +30,9 @@ from gateway.observability.logging_setup import set_log_context
 from gateway.observability.metrics import count_fallback, start_request
 from gateway.serving.choice_text import TextPlan
 from gateway.serving.exchange_owner import OneShot
+from gateway.serving.output_queue import KEEPALIVE
 from gateway.serving.outputs import ChoiceInput, Delta
-from gateway.serving.request_owner import KEEPALIVE, RequestOwner
+from gateway.serving.request_owner import RequestOwner
 from gateway.serving.router import ModelRoute
 from wire.params import SamplingParams
 

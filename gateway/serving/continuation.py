@@ -27,7 +27,8 @@ from wire import messages as wire
 from wire.results import FinishReason, RejectCode
 
 if TYPE_CHECKING:
-    from gateway.serving.request_owner import Choice, RequestOwner
+    from gateway.serving.choice import Choice
+    from gateway.serving.request_owner import RequestOwner
 
 logger = logging.getLogger(__name__)
 TOKENIZE_TIMEOUT_S = 30.0

@@ -33,9 +33,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections import deque
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from gateway.errors import (
@@ -49,14 +47,16 @@ from gateway.errors import (
     as_api_error,
 )
 from gateway.observability.logging_setup import set_log_context
-from gateway.serving.choice_text import ChoiceText, Cut, TextPlan
+from gateway.serving.choice import Choice, NotStarted
+from gateway.serving.choice_text import Cut, TextPlan
 from gateway.serving.continuation import continue_choice
+from gateway.serving.output_queue import KEEPALIVE, EndOfOutputs, OutputQueue
 from gateway.serving.outputs import ChoiceInput, ChoiceOutput, Delta, usage_totals
 from gateway.serving.router import AdmissionStopped, ReplicasExhausted
 from wire import messages as wire
 from wire.codec import ENCODE_ERRORS
 from wire.params import SamplingParams
-from wire.results import AbortReason, FinishReason, JobOutput, RejectCode
+from wire.results import FinishReason, JobOutput, RejectCode
 
 if TYPE_CHECKING:
     from gateway.link.handle import WorkerHandle
@@ -71,125 +71,7 @@ logger = logging.getLogger(__name__)
 # outputs the request is aborted.
 MAX_PENDING_OUTPUTS = 8192
 T = TypeVar("T")
-KEEPALIVE = object()  # queue item: nothing new, the stream should send an SSE comment
 _ENDED = object()  # what _consume returns for the end of a request that finished normally
-
-
-@dataclass(frozen=True, slots=True)
-class _End:
-    error: APIError | None = None
-
-
-class OutputQueue:
-    """A request's single queue: any number of producers (the link, the ticker, abort), one
-    consumer. Lighter than asyncio.Queue, which it replaces on the per-token path: no join
-    bookkeeping, no size bound, one waiter future instead of a deque of getters."""
-
-    __slots__ = ("_items", "_waiter")
-
-    def __init__(self) -> None:
-        self._items: deque[Any] = deque()
-        self._waiter: asyncio.Future[None] | None = None
-
-    def put_nowait(self, item: Any) -> None:
-        self._items.append(item)
-        waiter = self._waiter
-        if waiter is not None:
-            self._waiter = None
-            if not waiter.done():  # cancelled when its consumer was
-                waiter.set_result(None)
-
-    def qsize(self) -> int:
-        return len(self._items)
-
-    def empty(self) -> bool:
-        return not self._items
-
-    def get_nowait(self) -> Any:
-        return self._items.popleft()
-
-    def take_all(self) -> list[Any]:
-        items = list(self._items)
-        self._items.clear()
-        return items
-
-    def arrival(self) -> asyncio.Future[None]:
-        """A future that is done once the queue holds an item (at once if it does now)."""
-        waiter = asyncio.get_running_loop().create_future()
-        if self._items:
-            waiter.set_result(None)
-        else:
-            self._waiter = waiter
-        return waiter
-
-    async def get(self) -> Any:
-        while not self._items:
-            await self.arrival()
-        return self._items.popleft()
-
-
-@dataclass(frozen=True, slots=True)
-class _NotStarted:
-    """The replica failed before it accepted the job: nothing ran, so another replica may take it."""
-
-    error: APIError
-
-
-@dataclass(eq=False)
-class Choice:
-    """One choice of a request: one engine job on one replica. The link delivers its frames here."""
-
-    owner: RequestOwner
-    index: int
-    input: ChoiceInput
-    params: SamplingParams
-    rid: str = field(default_factory=lambda: uuid.uuid4().hex)
-    worker_id: str | None = None
-    replica: WorkerHandle | None = None
-    work: int = 0  # prompt + completion budget: the replica's routing load while this job runs
-    accepted: asyncio.Future[Any] | None = None
-    sent: bool = False  # a Generate went out: a Cancel must follow unless the job finishes
-    finished: bool = False  # the engine job is over (finished, refused, cancelled or gone)
-    text_plan: TextPlan | None = None
-    output: ChoiceOutput = field(init=False)
-    text: ChoiceText = field(init=False)  # the producer's side: worker outputs become Deltas
-
-    def __post_init__(self) -> None:
-        self.output = ChoiceOutput(self.index, self.input.prompt_index)
-        self.text = ChoiceText(self.text_plan)
-
-    # ---- the link's calls ------------------------------------------------------------------
-
-    def on_reply(self, reply: wire.Accepted | wire.Rejected) -> None:
-        if self.accepted is not None and not self.accepted.done():
-            self.accepted.set_result(reply)
-
-    def on_output(self, output: JobOutput) -> None:
-        self.owner.on_output(self, output)
-
-    def on_aborted(self, message: wire.JobsAborted) -> None:
-        code = "shutting_down" if message.reason is AbortReason.SHUTDOWN else "aborted"
-        self.owner.abort(ServiceUnavailable(message.message, code=code))
-
-    def on_worker_failed(self, error: APIError) -> None:
-        if self.accepted is not None and not self.accepted.done():
-            self.accepted.set_result(_NotStarted(error))
-        else:
-            self.owner.abort(error)
-
-    # ---- slot --------------------------------------------------------------------------------
-
-    def end_job(self, cancel: bool) -> None:
-        """The engine job is over for us: cancel it if asked and still running, free its slot."""
-        if self.finished:
-            return
-        self.finished = True
-        owner = self.owner
-        if cancel and self.sent and self.worker_id is not None:
-            owner.service.link.send(self.worker_id, wire.Cancel(self.rid))
-        owner.service.link.remove_job(self.rid)
-        if self.replica is not None:
-            owner.route.release(self.replica, self.work)
 
 
 class RequestOwner:
@@ -325,8 +207,8 @@ class RequestOwner:
         error_class = QueueFull if limits.full_queue_status == 429 else ServiceUnavailable
         return error_class(message, code=RejectCode.WORKER_FULL.value, headers={"Retry-After": "1"})
 
-    def _start(self, choice: Choice, replica: WorkerHandle) -> _NotStarted | None:
-        """Send the choice's Generate to its replica; a _NotStarted at once if it cannot go out."""
+    def _start(self, choice: Choice, replica: WorkerHandle) -> NotStarted | None:
+        """Send the choice's Generate to its replica; a NotStarted at once if it cannot go out."""
         link = self.service.link
         if choice.sent:  # a second attempt: a new job id, never confused with the cancelled one
             choice.rid = uuid.uuid4().hex
@@ -345,7 +227,7 @@ class RequestOwner:
         choice.sent = link.send_frame(replica.id, frame, is_generate=True)
         if choice.sent:
             return None
-        return _NotStarted(WorkerFailed(f"the worker for model '{self.route.config.name}' is unreachable"))
+        return NotStarted(WorkerFailed(f"the worker for model '{self.route.config.name}' is unreachable"))
 
     async def _wait_accepted(self, choice: Choice) -> Any:
         assert choice.accepted is not None
@@ -381,7 +263,7 @@ class RequestOwner:
         self.last_activity = time.monotonic()
         if self._unfinished == 0:
             self.ended = True
-            self.queue.put_nowait(_End())
+            self.queue.put_nowait(EndOfOutputs())
 
     # ---- continuations -----------------------------------------------------------------------
 
@@ -414,7 +296,7 @@ class RequestOwner:
         if not choice.sent:
             raise WorkerFailed(f"the worker for model '{self.route.config.name}' is unreachable")
         answer = await self._wait_accepted(choice)
-        if isinstance(answer, _NotStarted):
+        if isinstance(answer, NotStarted):
             raise answer.error
         if isinstance(answer, wire.Rejected):
             link.remove_job(choice.rid)
@@ -449,7 +331,7 @@ class RequestOwner:
                     raise end.error
                 return
 
-    def take_queued(self) -> tuple[list[tuple[int, Delta] | object], _End | None]:
+    def take_queued(self) -> tuple[list[tuple[int, Delta] | object], EndOfOutputs | None]:
         """Everything queued now, consumed in order: the events, and the request's end if it came
         with them (its `error` set when it was aborted). What arrived before an abort comes out
         with it, so it still goes out before the error."""
@@ -460,7 +342,7 @@ class RequestOwner:
             if item is KEEPALIVE:
                 batch.append(item)
                 continue
-            if isinstance(item, _End):
+            if isinstance(item, EndOfOutputs):
                 if item.error is None and self.outcome is None:
                     self.outcome = 200
                 return batch, item
@@ -475,7 +357,7 @@ class RequestOwner:
         self.last_consumed = time.monotonic()
         if item is KEEPALIVE:
             return item
-        if isinstance(item, _End):
+        if isinstance(item, EndOfOutputs):
             if item.error is not None:
                 raise item.error
             if self.outcome is None:
@@ -529,7 +411,7 @@ class RequestOwner:
             self._aborted.set_result(None)
         if self.outcome is None:
             self.outcome = error.status
-        self.queue.put_nowait(_End(error))
+        self.queue.put_nowait(EndOfOutputs(error))
         if not isinstance(error, ClientClosed):
             logger.info("request ended early: %s (%s)", error.code, error.message)
 

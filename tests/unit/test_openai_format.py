@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 
 from gateway.http.openai_format import SSE_DONE, ResponseFormatter, sse_error
+from gateway.serving.choice import Choice
 from gateway.serving.outputs import ChoiceInput
-from gateway.serving.request_owner import Choice
 from wire.params import SamplingParams
 from wire.results import FinishReason, JobOutput, TokenLogprob, TopLogprob, Usage
 

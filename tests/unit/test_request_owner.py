@@ -26,8 +26,9 @@ from gateway.observability.metrics import GatewayMetrics, RequestRecorder
 from gateway.reasoning.parsers import parser_named
 from gateway.reasoning.plan import ReasoningPlan
 from gateway.serving.choice_text import TextPlan
+from gateway.serving.output_queue import KEEPALIVE, OutputQueue
 from gateway.serving.outputs import ChoiceInput
-from gateway.serving.request_owner import KEEPALIVE, OutputQueue, RequestOwner
+from gateway.serving.request_owner import RequestOwner
 from gateway.serving.router import ModelRoute
 from gateway.serving.service import GenerationService
 from tests.harness import async_wait_until

@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 
 from gateway.http.openai_format import ResponseFormatter, json_bytes, plain_json_bytes
+from gateway.serving.choice import Choice
 from gateway.serving.outputs import ChoiceInput, ChoiceOutput, Delta
-from gateway.serving.request_owner import Choice
 from gateway.tools.plan import plan_tools
 from wire.params import SamplingParams
 from wire.results import FinishReason, TokenLogprob, TopLogprob
