@@ -2,10 +2,11 @@
 
 Runs in the gateway process, on its asyncio loop. Owns one `WorkerHandle` per model replica and
 the child processes behind them. Death is seen four ways: the process exit (asyncio's child
-watcher), a missing frame for `heartbeat_timeout_s` (lost or hung), a missed start deadline, and
-jobs the worker says it holds with no step it reports for `wedge_timeout_s` (wedged; see
-gateway.link.step_watch). When a worker goes, every request it held hears so at once, through
-the link, from its owner. Idle unloads and retries of failed workers run in gateway.workers.upkeep.
+watcher), and, judged by gateway.workers.watchdog, a missing frame for `heartbeat_timeout_s`
+(lost or hung), a missed start deadline, and jobs the worker says it holds with no step it
+reports for `wedge_timeout_s` (wedged). When a worker goes, every request it held hears so at
+once, through the link, from its owner. Idle unloads and retries of failed workers run in
+gateway.workers.upkeep.
 In cluster mode it also starts gateway.link.cluster_members, which connects to the listening
 workers of the membership (those join and leave like any remote worker), and, with etcd or
 Kubernetes, gateway.cluster.decisions, this gateway's part in electing the one that decides; with
@@ -41,6 +42,7 @@ from gateway.workers.cluster_loads import ClusterLoads, loads_on_demand
 from gateway.workers.loads import LoadGate, LoadRefused
 from gateway.workers.remote import RemoteMembers
 from gateway.workers.upkeep import Upkeep
+from gateway.workers.watchdog import death_cause
 from wire import messages as wire
 from wire.states import HOLDS_PROCESS, WorkerState
 
@@ -371,47 +373,20 @@ class Supervisor:
         logger.info("spawned worker %s for model %s (pid %s)", handle.id, model.name, handle.pid)
 
     async def _watch(self, handle: WorkerHandle) -> str:
-        """Return when the worker is gone, with the reason; kill it if it is lost or too slow to start."""
+        """Return when the worker is gone, with the reason; kill it if the watchdog says so."""
         assert handle.process is not None
         server = self.registry.server
-        wedge_timeout_s = handle.model.limits.wedge_timeout_s
-        # Steps are reported once per heartbeat: a live worker's last report may be that much older.
-        stalled_limit_s = wedge_timeout_s + server.heartbeat_interval_s
         exited = asyncio.create_task(handle.process.wait())
         while True:
             done, _ = await asyncio.wait({exited}, timeout=min(server.heartbeat_interval_s, 1.0))
             if done:
                 code = exited.result()
                 return f"exited with code {code}" if code >= 0 else f"killed by signal {-code}"
-            now = time.monotonic()
-            # A worker that is draining, or winding down after a Fatal, is not starting up.
-            if not handle.ready and handle.state not in (S.DRAINING, S.RESTARTING):
-                if now - handle.spawned_at > server.worker_start_timeout_s:
-                    handle.death_cause = handle.death_cause or (
-                        f"not ready within worker_start_timeout_s={server.worker_start_timeout_s:g}s; "
-                        "raise it in the registry's server section if loading is legitimately slow"
-                    )
-                    self._kill(handle)
-            elif now - self.link.last_seen.get(handle.id, now) > server.heartbeat_timeout_s:
-                handle.death_cause = handle.death_cause or (
-                    f"no heartbeat for {server.heartbeat_timeout_s:g}s (hung or lost)"
-                )
-                self._kill(handle)
-            elif (stalled_s := self._stalled_for(handle, now)) is not None and stalled_s > stalled_limit_s:
+            cause = death_cause(handle, self.link, server, time.monotonic())
+            if cause is not None:
                 # A cause the worker reported itself (Fatal) stays: it says why it stalled.
-                handle.death_cause = handle.death_cause or (
-                    f"holds jobs but no generator step for {stalled_s:.1f}s "
-                    f"(wedge_timeout_s={wedge_timeout_s:g}; wedged)"
-                )
+                handle.death_cause = handle.death_cause or cause
                 self._kill(handle)
-
-    def _stalled_for(self, handle: WorkerHandle, now: float) -> float | None:
-        if handle.step_watch is None:
-            return None
-        link = self.link
-        return handle.step_watch.stalled_for(
-            now, link.last_step_frame.get(handle.id), link.last_job_sent.get(handle.id)
-        )
 
     def fail_requests(self, handle: WorkerHandle, reason: str) -> None:
         """The worker is gone or unreachable: every request it held ends now with a clear error."""
