@@ -246,3 +246,32 @@ def wait_idle(gateway: Any, timeout: float = 10.0) -> list[dict[str, Any]]:
         return workers if all(w["active_jobs"] == 0 and w["queued_jobs"] == 0 for w in workers) else None
 
     return wait_until(idle, "every worker to be idle", timeout)
+
+
+def steps_by_request(trace_path: Path) -> list[dict[str, Any]]:
+    """A worker's step trace (GATEWAY_STEP_TRACE) cut at each step that gave a job its first token,
+    for requests sent one after another: per request, its steps and the medians of their wall, GPU
+    and outside-the-step times (say whether a slow request was slow on the GPU, in the step's CPU
+    work, or in the loop around it)."""
+    if not trace_path.exists():
+        return []
+    requests: list[list[dict[str, Any]]] = []
+    for line in trace_path.read_text().splitlines():
+        row = json.loads(line)
+        if row.get("first") or not requests:
+            requests.append([])
+        requests[-1].append(row)
+
+    def median(rows: list[dict[str, Any]], key: str) -> float | None:
+        values = sorted(float(r[key]) for r in rows if r.get(key) is not None)
+        return values[len(values) // 2] if values else None
+
+    return [
+        {
+            "steps": len(rows),
+            "step_ms": median(rows, "step_ms"),
+            "gpu_ms": median(rows, "gpu_ms"),
+            "outside_ms": median(rows, "outside_ms"),
+        }  # fmt: skip
+        for rows in requests
+    ]

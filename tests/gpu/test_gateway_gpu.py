@@ -23,6 +23,7 @@ from tests.gpu.support import (
     greedy,
     record,
     run_job,
+    steps_by_request,
     stream_completion,
     wait_idle,
 )
@@ -245,7 +246,10 @@ def test_one_model_autosplit_over_two_gpus(big_model: Path, tmp_path: Path) -> N
 @pytest.mark.parametrize("mode", PAGED_MODES)
 def test_first_request_after_ready_is_warm(mode: str, big_model: Path, tmp_path: Path) -> None:
     require_mode(mode)
-    with start(tmp_path, [entry("big", big_model, [0], mode, max_seq_len=4096, max_chunk_size=2048)]) as gw:
+    model = entry("big", big_model, [0], mode, max_seq_len=4096, max_chunk_size=2048)
+    trace = tmp_path / "steps.jsonl"  # where a slow request spent its steps, recorded beside the times
+    model["env"] = {"GATEWAY_STEP_TRACE": str(trace)}
+    with start(tmp_path, [model]) as gw:
         with httpx.Client(base_url=gw.url) as http:
             seconds = []
             for _ in range(10):
@@ -255,7 +259,8 @@ def test_first_request_after_ready_is_warm(mode: str, big_model: Path, tmp_path:
         worker = gw.workers()[0]
     median = statistics.median(seconds)
     record(f"gateway first vs tenth 8B {mode}", first_s=seconds[0], tenth_s=seconds[9], median_s=median,
-           warmup_s=worker.get("warmup_s"), load_s=worker.get("load_s"))  # fmt: skip
+           warmup_s=worker.get("warmup_s"), load_s=worker.get("load_s"), seconds=seconds,
+           steps_by_request=steps_by_request(trace))  # fmt: skip
     assert seconds[0] <= 1.5 * seconds[9], seconds
 
 
