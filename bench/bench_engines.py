@@ -30,7 +30,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
 from bench.cpu_placement import SiblingWatch, placed, split_cores, topology  # noqa: E402
-from bench.proc_cpu import cpu_seconds, run_seconds  # noqa: E402
+from bench.proc_cpu import cpu_seconds, run_seconds, thread_times, thread_usage  # noqa: E402
 from bench.profiling import Profiler  # noqa: E402
 from bench.streams import Round, engine_round, http_round, paired, raw_round, summarize  # noqa: E402
 from model_worker.engines.registry import create_engine  # noqa: E402
@@ -96,19 +96,42 @@ def process_threads(pid: int) -> int | None:
 
 
 def measured(run: Any, pid: int | None, gateway_pid: int | None = None) -> Round:
-    """One round, with the CPU seconds its worker process (if any) and the gateway used meanwhile,
-    and how often another busy thread ran on the physical core of the worker's engine thread."""
+    """One round, with what the threads of the process that drives the engine did meanwhile (the
+    worker's, or this process's on an in-process path: see proc_cpu.thread_usage); for a worker,
+    the CPU seconds it and the gateway used, and how often another busy thread ran on the physical
+    core of its engine thread."""
+    driver = pid or os.getpid()  # an in-process path runs the engine on this process's main thread
+    threads_before = thread_times(driver)
     if not pid:
-        return run()
+        done = run()
+        done.threads = thread_usage(driver, threads_before, thread_times(driver), done.seconds)
+        return done
     before, gateway_before = cpu_seconds(pid), run_seconds(gateway_pid) if gateway_pid else 0.0
     others = [pid, os.getpid(), *([gateway_pid] if gateway_pid else [])]
     with SiblingWatch((pid, pid), others) as watch:
         done = run()
+    done.threads = thread_usage(driver, threads_before, thread_times(driver), done.seconds)
     done.worker_cpu_s = cpu_seconds(pid) - before
     if gateway_pid:
         done.gateway_cpu_s = run_seconds(gateway_pid) - gateway_before
     done.engine_core_shared = watch.shared_fraction
     return done
+
+
+def thread_summary(done: list[Round]) -> dict[str, Any]:
+    """Medians over the rounds of what the engine's process did (proc_cpu.thread_usage), and the
+    other threads by name in the last round."""
+    usages = [r.threads for r in done if r.threads]
+    if not usages:
+        return {}
+    summary: dict[str, Any] = {}
+    for key in ("main_on_cpu_pct", "main_runqueue_pct", "main_sleeps_per_s", "main_preempted_per_s",
+                "others_cpu_pct"):  # fmt: skip
+        values = sorted(u[key] for u in usages if key in u)
+        if values:
+            summary[key] = values[len(values) // 2]
+    summary["others_by_name"] = usages[-1].get("others_by_name", {})
+    return {"threads": summary}
 
 
 def pinned(run: Any, placement: dict[int, set[int]]) -> Any:
@@ -200,7 +223,7 @@ def run_overhead(args: argparse.Namespace, report: dict[str, Any]) -> None:
                 for path in paths:
                     rounds[path].append(measured(*run[path], gw.pid))
             for path, done in rounds.items():
-                row = {"path": path, "streams": count, **summarize(done)}
+                row = {"path": path, "streams": count, **summarize(done), **thread_summary(done)}
                 if path != "raw" and "raw" in rounds:
                     row.update(paired(done, rounds["raw"]))
                 if path.startswith("gateway, ") and "over 2 GPUs" in path:  # the split against one GPU
@@ -355,6 +378,28 @@ def row_line(r: dict[str, Any]) -> str:
     )
 
 
+def thread_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """The engine thread's table: where the process that drives the engine spent each round's wall
+    time (the worker's, or this process's on the in-process paths); medians over the rounds."""
+    rows = [r for r in rows if r.get("threads")]
+    if not rows:
+        return []
+    lines = [
+        "| path | streams | engine thread on a CPU % | waiting for a CPU % | sleeps per s | preempted per s "
+        "| other threads CPU % | other threads by name (last round) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        t = r["threads"]
+        lines.append(
+            f"| {r['path']} | {r['streams']} | {t.get('main_on_cpu_pct', '-')} "
+            f"| {t.get('main_runqueue_pct', '-')} "
+            f"| {t.get('main_sleeps_per_s', '-')} | {t.get('main_preempted_per_s', '-')} "
+            f"| {t.get('others_cpu_pct', '-')} | {t.get('others_by_name', '-')} |"
+        )
+    return [*lines, ""]
+
+
 def markdown(report: dict[str, Any]) -> str:
     versions = report["versions"]
     lines = [
@@ -365,6 +410,7 @@ def markdown(report: dict[str, Any]) -> str:
         HEADER,
         *(row_line(r) for r in report["rows"] + report["logprobs"]),
         "",
+        *thread_lines(report["rows"]),
         "| target | measured | met |",
         "|---|---|---|",
     ]

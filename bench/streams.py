@@ -52,6 +52,8 @@ class Round:
     gateway_cpu_s: float | None = None  # gateway rounds: CPU time of the gateway process meanwhile
     # gateway rounds: share of samples in which another busy thread ran on the engine thread's core
     engine_core_shared: float | None = None
+    # what the threads of the process driving the engine did meanwhile (proc_cpu.thread_usage)
+    threads: dict[str, Any] | None = None
 
     @property
     def seconds(self) -> float:

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 import zmq
 
+from model_worker.native_names import name_this_thread
 from model_worker.outbox import Outbox, PeerUnresponsive
 from wire import messages as wire
 from wire.codec import ProtocolError
@@ -206,6 +207,7 @@ class LinkThread:
     # ---- the link thread -----------------------------------------------------------------------
 
     def _guarded(self, loop: Callable[[], None]) -> None:
+        name_this_thread()
         try:
             loop()
         except BaseException as exc:  # every error here is the worker's end: the engine thread raises it

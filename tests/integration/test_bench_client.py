@@ -39,6 +39,9 @@ def test_a_gateway_round_records_the_gateway_cpu_per_token(two_model_gateway: Ga
                     two_model_gateway.pid)  # fmt: skip
     assert done.gateway_cpu_s is not None and done.gateway_cpu_s > 0
     assert done.worker_cpu_s is not None and done.worker_cpu_s >= 0
+    # The worker's own threads, by the names it gives them, beside its engine (main) thread.
+    assert done.threads is not None and done.threads["main_on_cpu_pct"] > 0, done.threads
+    assert "worker-link" in done.threads["others_by_name"], done.threads
     per_token = 1e6 * done.gateway_cpu_s / 32
     row = {"path": "gateway", "streams": 4, "gateway_cpu_us_per_token": per_token, "tokens_per_chunk": 1.0}
     assert (("4 streams: gateway CPU per streamed token <= 50 us", f"{per_token:.1f} us", per_token <= 50)
