@@ -147,6 +147,22 @@ def test_exllamav3_load_arguments_per_split() -> None:
     assert "tensor_p" not in load_arguments(tensor, main_model=False)
 
 
+def test_exllamav3_out_of_memory_on_load_names_the_cache_and_the_split() -> None:
+    """The default cache (max_seq_len x max_batch_size) can outweigh the weights: a split that cannot
+    hold it must say which settings to change, not only the library's words."""
+    from model_worker.engines.exllamav3.loading import insufficient_vram_message
+
+    split = ExLlamaV3Settings.model_validate({"gpu_split": [14.0, 18.0], "max_batch_size": 64})
+    message = insufficient_vram_message(split, 262144, "Insufficient VRAM in split for model and cache")
+    assert message.startswith("Insufficient VRAM in split for model and cache: "), message
+    assert "262144 tokens (max_seq_len x max_batch_size)" in message, message
+    assert "gpu_split [14.0, 18.0] GB" in message, message
+    assert "engine_settings.cache_size" in message
+    sized = ExLlamaV3Settings.model_validate({"cache_size": 32768})
+    message = insufficient_vram_message(sized, 32768, "Insufficient VRAM in split for model and cache")
+    assert "32768 tokens (cache_size)" in message and "reserve_vram_gb" in message, message
+
+
 @pytest.mark.parametrize(
     ("entry", "settings_model"),
     [

@@ -41,8 +41,28 @@ def load_model(
     def on_module(done: int, total: int) -> None:
         progress(f"loading {name}: module {done}/{total}", p0 + (p1 - p0) * done / max(total, 1))
 
-    model.load(callback=on_module, **load_arguments(s, main_model=draft is False))
+    try:
+        model.load(callback=on_module, **load_arguments(s, main_model=draft is False))
+    except RuntimeError as exc:
+        if "Insufficient VRAM" not in str(exc):
+            raise
+        raise RuntimeError(insufficient_vram_message(s, cache_size, str(exc))) from None
     return model, cache
+
+
+def insufficient_vram_message(settings: ExLlamaV3Settings, cache_size: int, library_says: str) -> str:
+    """exllamav3's out-of-memory on load, with the settings that decide it: the cache (its default
+    is max_seq_len x max_batch_size tokens, easily larger than the weights) and the memory given."""
+    where = (
+        f"gpu_split {list(settings.gpu_split)} GB"
+        if settings.gpu_split
+        else f"this worker's GPUs less reserve_vram_gb {settings.reserve_vram_gb or 0.5} GB each"
+    )
+    cache_source = "cache_size" if settings.cache_size is not None else "max_seq_len x max_batch_size"
+    return (
+        f"{library_says}: the weights and a cache of {cache_size} tokens ({cache_source}) do not fit "
+        f"{where}; lower engine_settings.cache_size or max_batch_size, or give the model more memory"
+    )
 
 
 def load_arguments(settings: ExLlamaV3Settings, main_model: bool = True) -> dict[str, Any]:
