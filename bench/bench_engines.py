@@ -63,6 +63,17 @@ def settings(args: argparse.Namespace) -> dict[str, Any]:
     return {"max_batch_size": max(args.streams), "max_chunk_size": 2048, "cache_size": args.cache_size}
 
 
+ENV_PATH = "gateway, env"
+
+
+def env_assignments(text: str) -> dict[str, str]:
+    """`--compare-env A=1,B=2` as a dict; refuses an item without a name and `=`."""
+    pairs = [item.partition("=") for item in text.split(",") if item.strip()]
+    if not pairs or any(not name.strip() or not sep for name, sep, _ in pairs):
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE[,NAME=VALUE], got {text!r}")
+    return {name.strip(): value for name, _, value in pairs}
+
+
 def registry_entry(
     name: str,
     engine: str,
@@ -165,6 +176,10 @@ def run_overhead(args: argparse.Namespace, report: dict[str, Any]) -> None:
     if args.compare_threads:  # the same model, as shipped before: torch's default intra-op threads
         threads = {name: str(default_threads) for name in CPU_THREAD_VARIABLES}
         models.append(registry_entry("m-threads", args.engine, args.model, [0], args, threads))
+    if args.compare_env:  # the same model, its worker under other environment variables
+        env = {**worker_env, **args.compare_env}
+        models.append(registry_entry("m-env", args.engine, args.model, [0], args, env))
+        report["settings"]["compare_env"] = args.compare_env
     for _path, name, split in SPLITS if args.split else ():  # the same model over GPUs 0 and 1
         entry = registry_entry(name, args.engine, args.model, [0, 1], args)
         entry["engine_settings"].update(split)
@@ -208,6 +223,9 @@ def run_overhead(args: argparse.Namespace, report: dict[str, Any]) -> None:
                     partial(http_round, gw.url, "m-threads", texts, args.new_tokens, None),
                     pids.get("m-threads"),
                 )
+            if args.compare_env:
+                env_round = partial(http_round, gw.url, "m-env", texts, args.new_tokens, None)
+                run[ENV_PATH] = (env_round, pids.get("m-env"))
             for path, name, _ in SPLITS if args.split else ():
                 run[path] = (partial(http_round, gw.url, name, texts, args.new_tokens, None), pids.get(name))
             if args.peer:
@@ -228,6 +246,8 @@ def run_overhead(args: argparse.Namespace, report: dict[str, Any]) -> None:
                     row.update(paired(done, rounds["raw"]))
                 if path.startswith("gateway, ") and "over 2 GPUs" in path:  # the split against one GPU
                     row.update({f"one_gpu_{k}": v for k, v in paired(done, rounds["gateway"]).items()})
+                if path == ENV_PATH and "gateway" in rounds:  # the default worker against this one
+                    row.update({f"default_{k}": v for k, v in paired(rounds["gateway"], done).items()})
                 worker_cpu = [r.worker_cpu_s for r in done if r.worker_cpu_s is not None]
                 if len(worker_cpu) == len(done):
                     row["worker_cpu_pct"] = round(100 * sum(worker_cpu) / sum(r.seconds for r in done), 1)
@@ -426,6 +446,12 @@ def markdown(report: dict[str, Any]) -> str:
                 f"| {count} streams: logprobs 1 total tok/s >= 0.90 x without | {ratio:.3f} | {met} |"
             )
     for r in report["rows"]:
+        if "default_paired_ratio" in r:
+            spread = f"turns {r['default_paired_ratio_min']:.3f}-{r['default_paired_ratio_max']:.3f}"
+            env = report["settings"]["compare_env"]
+            lines.append(f"| {r['streams']} streams: gateway / {r['path']} {env}, paired | "
+                         f"{r['default_paired_ratio']:.3f} ({spread}); TTFT "
+                         f"{r['default_paired_ttft_added_ms']:+.1f} ms | - |")  # fmt: skip
         if "one_gpu_paired_ratio" in r:
             spread = f"turns {r['one_gpu_paired_ratio_min']:.3f}-{r['one_gpu_paired_ratio_max']:.3f}"
             lines.append(f"| {r['path']}, {r['streams']} streams: tok/s / one GPU's | "
@@ -474,6 +500,14 @@ def main(argv: list[str] | None = None) -> int:
         "--compare-threads",
         action="store_true",
         help="also run raw and a second gateway worker with torch's default CPU threads (as shipped before)",
+    )
+    parser.add_argument(
+        "--compare-env",
+        type=env_assignments,
+        default={},
+        metavar="NAME=VALUE[,NAME=VALUE]",
+        help="also run a second worker of the same model with these environment variables (path 'gateway, "
+        "env'), interleaved with the default one, and report the default against it per round",
     )
     parser.add_argument(
         "--pin",
