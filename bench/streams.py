@@ -12,6 +12,7 @@ is checked instead (every chunk must be one token, which the demo tokenizer make
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import time
 from dataclasses import dataclass, field
@@ -138,6 +139,11 @@ def engine_round(engine: Any, prompts: list[list[int]], new_tokens: int, trace: 
     return Round(list(streams.values()), steps)
 
 
+# Each HTTP round's number, in its requests' X-Request-ID (bench-MODEL-STREAMSs-ROUND-INDEX), so the
+# gateway's access log lines (time to first token as the gateway saw it) can be matched to rounds.
+_round_numbers = itertools.count()
+
+
 def http_round(url: str, model: str, prompts: list[str], new_tokens: int, logprobs: int | None) -> Round:
     """One round of concurrent streamed completions from one asyncio client in this process (one
     connection per stream): the same client for our gateway and for any peer server. Its own CPU
@@ -156,10 +162,13 @@ async def _http_streams(
     if logprobs is not None:
         body["logprobs"] = logprobs
     limits = httpx.Limits(max_connections=len(prompts), max_keepalive_connections=len(prompts))
+    round_id = f"bench-{model}-{len(prompts)}s-{next(_round_numbers)}"
 
-    async def one(client: httpx.AsyncClient, prompt: str) -> tuple[Stream, int]:
+    async def one(client: httpx.AsyncClient, index: int, prompt: str) -> tuple[Stream, int]:
         stream, chunks, usage = Stream(time.perf_counter()), 0, None
-        async with client.stream("POST", "/v1/completions", json={**body, "prompt": prompt}) as response:
+        headers = {"X-Request-ID": f"{round_id}-{index}"}
+        request = {**body, "prompt": prompt}
+        async with client.stream("POST", "/v1/completions", json=request, headers=headers) as response:
             if response.status_code != 200:
                 raise RuntimeError(f"HTTP {response.status_code}: {(await response.aread()).decode()[:300]}")
             async for line in response.aiter_lines():
@@ -181,7 +190,7 @@ async def _http_streams(
         return stream, chunks
 
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
-        return await asyncio.gather(*(one(client, prompt) for prompt in prompts))
+        return await asyncio.gather(*(one(client, i, prompt) for i, prompt in enumerate(prompts)))
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -7,6 +7,7 @@ bench/bench_engines.py points at our gateway and at any peer server (--peer).
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -14,7 +15,7 @@ import pytest
 
 from bench.cpu_placement import SiblingWatch, physical_cores, placed
 from bench.streams import Round, Stream, http_round, paired, summarize
-from tests.harness import GatewayProcess
+from tests.harness import GatewayProcess, wait_until
 
 
 def test_the_async_client_counts_tokens_and_its_own_cpu(two_model_gateway: GatewayProcess) -> None:
@@ -26,6 +27,14 @@ def test_the_async_client_counts_tokens_and_its_own_cpu(two_model_gateway: Gatew
     assert summary["tokens"] == 64 and summary["rounds"] == 2
     assert summary["tok_s_total_min"] <= summary["tok_s_total"] <= summary["tok_s_total_max"]
     assert summary["client_cpu_us_per_token"] > 0
+
+    # Each request names its round, so the gateway's access lines (its own TTFT) match the rounds.
+    def logged_ids() -> set[str] | None:
+        ids = set(re.findall(r"request_id=(bench-demo-small-4s-\d+-\d)\b", two_model_gateway.log()))
+        return ids if len(ids) >= 8 else None
+
+    ids = wait_until(logged_ids, "the bench's request ids of both rounds in the access log")
+    assert {i.rsplit("-", 1)[1] for i in ids} == {"0", "1", "2", "3"}
 
 
 def test_a_gateway_round_records_the_gateway_cpu_per_token(two_model_gateway: GatewayProcess) -> None:
