@@ -29,6 +29,7 @@ from typing import Any
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
+from bench.access_log import add_gateway_ttft  # noqa: E402
 from bench.cpu_placement import SiblingWatch, placed, split_cores, topology  # noqa: E402
 from bench.proc_cpu import cpu_seconds, run_seconds, thread_times, thread_usage  # noqa: E402
 from bench.profiling import Profiler  # noqa: E402
@@ -258,6 +259,7 @@ def run_overhead(args: argparse.Namespace, report: dict[str, Any]) -> None:
                 shared = [r.engine_core_shared for r in done if r.engine_core_shared is not None]
                 if shared:
                     row["engine_core_shared"] = round(sum(shared) / len(shared), 3)
+                row["round_ids"] = [r.round_id for r in done if r.round_id is not None]
                 report["rows"].append(row)
             args.save()  # after each level: a run cut short keeps what it measured
             print(f"bench: {count} streams done", flush=True)
@@ -286,6 +288,7 @@ def run_overhead(args: argparse.Namespace, report: dict[str, Any]) -> None:
                 report["profiles"] = profiler.summaries
                 args.save()
         report["worker"] = gw.workers()[0]["info"]
+    add_gateway_ttft(report["rows"], args.out_dir / f"bench-{args.engine}.log")  # the gateway has stopped
     for trace in traces.values():
         if trace is not None:
             trace.close()
@@ -389,9 +392,12 @@ HEADER = (
 def row_line(r: dict[str, Any]) -> str:
     steps = f"{r['step_ms_p50']:.1f} / {r['step_ms_p99']:.1f}" if r["step_ms_p50"] is not None else "-"
     spread = f" ({r['tok_s_total_min']:.0f}-{r['tok_s_total_max']:.0f})" if "tok_s_total_min" in r else ""
+    # The gateway's own view (routing to the first output from the worker), where its log has it.
+    at_gateway = f" (at the gateway {r['gateway_ttft_ms_p50']:.1f})" if "gateway_ttft_ms_p50" in r else ""
     return (
         f"| {r['path']} | {r['streams']} | {r['tok_s_total']:.1f}{spread} | {r['tok_s_per_stream']:.1f} "
-        f"| {r['ttft_ms_p50']:.1f} / {r['ttft_ms_p99']:.1f} | {r['gap_ms_p50']:.1f} / {r['gap_ms_p99']:.1f} "
+        f"| {r['ttft_ms_p50']:.1f} / {r['ttft_ms_p99']:.1f}{at_gateway} "
+        f"| {r['gap_ms_p50']:.1f} / {r['gap_ms_p99']:.1f} "
         f"| {steps} | {r['tokens_per_chunk'] or '-'} | {r.get('client_cpu_us_per_token') or '-'} "
         f"| {r.get('worker_cpu_pct', '-')} | {r.get('gateway_cpu_us_per_token', '-')} "
         f"| {r.get('engine_core_shared', '-')} |"

@@ -55,6 +55,7 @@ class Round:
     engine_core_shared: float | None = None
     # what the threads of the process driving the engine did meanwhile (proc_cpu.thread_usage)
     threads: dict[str, Any] | None = None
+    round_id: str | None = None  # HTTP rounds: the prefix of its requests' X-Request-ID
 
     @property
     def seconds(self) -> float:
@@ -148,21 +149,22 @@ def http_round(url: str, model: str, prompts: list[str], new_tokens: int, logpro
     """One round of concurrent streamed completions from one asyncio client in this process (one
     connection per stream): the same client for our gateway and for any peer server. Its own CPU
     time is recorded, to show that the client is not what limits the figures."""
+    round_id = f"bench-{model}-{len(prompts)}s-{next(_round_numbers)}"
     cpu_started = time.process_time()
-    done = asyncio.run(_http_streams(url, model, prompts, new_tokens, logprobs))
+    done = asyncio.run(_http_streams(url, model, prompts, new_tokens, logprobs, round_id))
     cpu_s = time.process_time() - cpu_started
-    return Round([stream for stream, _ in done], chunks=sum(chunks for _, chunks in done), client_cpu_s=cpu_s)
+    streams, chunks = [stream for stream, _ in done], sum(chunks for _, chunks in done)
+    return Round(streams, chunks=chunks, client_cpu_s=cpu_s, round_id=round_id)
 
 
 async def _http_streams(
-    url: str, model: str, prompts: list[str], new_tokens: int, logprobs: int | None
+    url: str, model: str, prompts: list[str], new_tokens: int, logprobs: int | None, round_id: str
 ) -> list[tuple[Stream, int]]:
     body: dict[str, Any] = {"model": model, "max_tokens": new_tokens, "temperature": 0, "ignore_eos": True,
                             "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
     if logprobs is not None:
         body["logprobs"] = logprobs
     limits = httpx.Limits(max_connections=len(prompts), max_keepalive_connections=len(prompts))
-    round_id = f"bench-{model}-{len(prompts)}s-{next(_round_numbers)}"
 
     async def one(client: httpx.AsyncClient, index: int, prompt: str) -> tuple[Stream, int]:
         stream, chunks, usage = Stream(time.perf_counter()), 0, None
