@@ -171,6 +171,7 @@ def event_stream(body: AsyncIterator[bytes]) -> Response:
 
 
 async def _stream(owner: RequestOwner, formatter: Formatter) -> AsyncIterator[bytes]:
+    body = b""  # what is taken but not yet written
     try:
         opening = formatter.opening(owner)
         if opening:
@@ -193,16 +194,20 @@ async def _stream(owner: RequestOwner, formatter: Formatter) -> AsyncIterator[by
                     index, delta = event  # type: ignore[misc]
                     chunks.append(chunk(owner, index, delta))
                 body = b"".join(chunks)
-                if body:
-                    yield body
             if end is not None:
                 if end.error is not None:
                     raise end.error
                 break
+            if body:
+                yield body
+                body = b""
+        # The last outputs go out with the stream's end (or its error event) in one write: the
+        # request's last chunk then costs one pass through Quart, Hypercorn and h11 and one
+        # send(2), not two. The bytes are the same.
         await formatter.finished(owner)
-        yield formatter.closing(owner)
+        yield body + formatter.closing(owner)
     except APIError as exc:
-        yield formatter.stream_error(exc)
+        yield body + formatter.stream_error(exc)
     finally:
         # Runs on normal end, on error, and on client disconnect (CancelledError). If the client
         # left before this body ever started, the owner closes when the request task ends.

@@ -59,24 +59,43 @@ class UsageLedger:
         self._clock = clock
         # (key name, period, period id) -> tokens; only the current ids are kept.
         self._used: dict[tuple[str, Period, str], int] = {}
+        # The current period ids and the clock times they hold for: every period here turns at the
+        # start of a UTC day, so they are worked out again only then (datetime and strftime were
+        # most of what a finished request's `add` cost).
+        self._ids: dict[Period, str] = {}
+        self._ids_from = self._ids_until = 0.0
+        self._turned = False  # the ids changed since `add` last dropped what is stale
 
     def _now(self) -> datetime:
         return datetime.fromtimestamp(self._clock(), tz=timezone.utc)
 
+    def _current_ids(self) -> dict[Period, str]:
+        now_s = self._clock()
+        if not self._ids_from <= now_s < self._ids_until:
+            now = datetime.fromtimestamp(now_s, tz=timezone.utc)
+            day = now.replace(hour=0, minute=0, second=0, microsecond=0)
+            self._ids_from = day.timestamp()
+            self._ids_until = (day + timedelta(days=1)).timestamp()
+            ids = {period: period_id(period, now) for period in PERIODS}
+            self._turned = self._turned or ids != self._ids
+            self._ids = ids
+        return self._ids
+
     def add(self, key: str, tokens: int) -> None:
         if tokens <= 0:
             return
-        now = self._now()
-        current = {period: period_id(period, now) for period in PERIODS}
+        current = self._current_ids()
         for period, ident in current.items():
             slot = (key, period, ident)
             self._used[slot] = self._used.get(slot, 0) + tokens
         # A period that has turned is dropped the next time anything is added.
-        for stale in [s for s in self._used if s[2] != current[s[1]]]:
-            del self._used[stale]
+        if self._turned:
+            self._turned = False
+            for stale in [s for s in self._used if s[2] != current[s[1]]]:
+                del self._used[stale]
 
     def used(self, key: str, period: Period) -> int:
-        return self._used.get((key, period, period_id(period, self._now())), 0)
+        return self._used.get((key, period, self._current_ids()[period]), 0)
 
     def spent(self, key: str, budgets: dict[str, int | None]) -> BudgetSpent | None:
         """The first budget of `budgets` the key has used up, else None."""

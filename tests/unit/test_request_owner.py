@@ -20,6 +20,7 @@ import zmq.asyncio
 
 from gateway.config.registry import ModelConfig, ModelLimits
 from gateway.errors import APIError, InvalidRequest, RequestTimeout, ServiceUnavailable, WorkerFailed
+from gateway.http.serving_path import Formatter, _stream
 from gateway.link.handle import WorkerHandle
 from gateway.link.worker_link import WorkerLink
 from gateway.observability.metrics import GatewayMetrics, RequestRecorder
@@ -641,5 +642,47 @@ def test_output_queue_wakes_its_consumer_and_survives_a_cancelled_wait() -> None
         await asyncio.sleep(0)
         queue.put_nowait("d")
         assert await asyncio.wait_for(later, 1) == "d"
+
+    asyncio.run(scenario())
+
+
+class Marks(Formatter):
+    """A formatter whose writes show what each one held."""
+
+    def chunk(self, owner: RequestOwner, index: int, delta: Any) -> bytes:
+        return f"[{index}:{delta.text}]".encode()
+
+    def closing(self, owner: RequestOwner) -> bytes:
+        return b"<end>"
+
+    def stream_error(self, error: APIError) -> bytes:
+        return f"<error {error.code}>".encode()
+
+
+@pytest.mark.parametrize("ending", ["finish", "abort"])
+def test_the_last_outputs_go_out_in_one_write_with_the_end_of_the_stream(tmp_path: Path, ending: str) -> None:
+    """Every batch is one write; the batch that ends the request carries the stream's end (or its
+    error event) in the same write, after its outputs."""
+
+    async def scenario() -> None:
+        async with rig(tmp_path) as r:
+            owner = r.open()
+            await asyncio.wait_for(asyncio.gather(owner.admit(), r.peers["w0"].generates(1, accept=True)), 2)
+            rid = owner.choices[0].rid
+            body = _stream(owner, Marks())
+            await r.peers["w0"].send(wire.Step([output(rid, "a")]))
+            assert await asyncio.wait_for(body.__anext__(), 1) == b"[0:a]"
+            if ending == "finish":
+                await r.peers["w0"].send(wire.Step([output(rid, "b", FinishReason.STOP)]))
+                last = b"[0:b]<end>"
+            else:
+                await r.peers["w0"].send(wire.Step([output(rid, "b")]))
+                await async_wait_until(lambda: owner.queue.qsize() == 1, "the output queued")
+                owner.abort(ServiceUnavailable("stop", code="shutting_down"))
+                last = b"[0:b]<error shutting_down>"
+            assert await asyncio.wait_for(body.__anext__(), 1) == last
+            with pytest.raises(StopAsyncIteration):
+                await body.__anext__()
+            r.assert_all_released()
 
     asyncio.run(scenario())
