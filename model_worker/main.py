@@ -61,32 +61,6 @@ def _one_cpu_thread_for_gpu_workers() -> None:
         os.environ.setdefault(name, "1")
 
 
-# How long the engine thread may hold the GIL while another thread waits for it (CPython's default is
-# 5 ms). Registry `env` may override it per model.
-SWITCH_INTERVAL_VARIABLE = "GATEWAY_WORKER_SWITCH_INTERVAL_MS"
-DEFAULT_SWITCH_INTERVAL_MS = 0.5
-
-
-def _short_gil_switch_interval() -> None:
-    """The engine thread hands every Step frame to the link thread and goes straight back into the
-    generator, which is mostly Python; the link thread, woken to send it, then waits for the GIL
-    until the engine thread is made to let go: up to CPython's switch interval, 5 ms, which delays
-    that token on its way to the client (a step on one stream is about 16 ms). A short interval
-    bounds that wait; it costs nothing while no other thread wants the GIL, and the link thread's
-    turns are short. bench/bench_gil_handover.py measures the hand-over at each interval."""
-    text = os.environ.get(SWITCH_INTERVAL_VARIABLE)
-    try:
-        interval_ms = DEFAULT_SWITCH_INTERVAL_MS if text is None else float(text)
-        if not 0 < interval_ms <= 1000:
-            raise ValueError(text)
-    except ValueError:
-        raise SystemExit(
-            f"model-worker: {SWITCH_INTERVAL_VARIABLE} must be milliseconds, more than 0 and at most "
-            f"1000; got {text!r}"
-        ) from None
-    sys.setswitchinterval(interval_ms / 1000)
-
-
 def _route_transformers_logs() -> None:
     """transformers writes through its own stderr handler, which would break JSON mode's one object
     per line; send its records through ours instead (only for workers that import it anyway)."""
@@ -290,7 +264,6 @@ def main(argv: list[str] | None = None) -> int:
         # Must precede any torch import (engines import torch lazily) or CUDA sees every GPU.
         os.environ["CUDA_VISIBLE_DEVICES"] = args.gpus
     _one_cpu_thread_for_gpu_workers()
-    _short_gil_switch_interval()
     if args.parent_pid is not None:  # spawned by a local gateway: never outlive it
         _die_with_parent()
     context.fields["model"] = spec.name
