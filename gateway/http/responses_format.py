@@ -62,10 +62,16 @@ class ResponseBuilder(Formatter):
             out.append(self.event("response.output_text.delta", **where, delta=delta.text, logprobs=[]))
         return b"".join(out)
 
-    async def finished(self, owner: RequestOwner) -> None:
-        if self.keep is not None:
+    def finishing(self, owner: RequestOwner) -> Callable[[], Awaitable[None]] | None:
+        keep = self.keep
+        if keep is None:
+            return None
+
+        async def store() -> None:
             output = owner.choices[0].output
-            await self.keep(self.response(self.final_status(output), output), output)
+            await keep(self.response(self.final_status(output), output), output)
+
+        return store
 
     def closing(self, owner: RequestOwner) -> bytes:
         output = owner.choices[0].output

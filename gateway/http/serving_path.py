@@ -54,8 +54,10 @@ class Formatter:
         """The events for one Delta of choice `index` (empty when there is nothing to send yet)."""
         return b""
 
-    async def finished(self, owner: RequestOwner) -> None:
-        """Every choice finished normally (streamed or not), before `closing` or `body`."""
+    def finishing(self, owner: RequestOwner) -> Callable[[], Awaitable[None]] | None:
+        """Every choice finished normally (streamed or not): what to await before `closing` or
+        `body` (storing the response), or None when there is nothing."""
+        return None
 
     def closing(self, owner: RequestOwner) -> bytes:
         """What a stream ends with after every choice finished."""
@@ -125,7 +127,9 @@ async def serve_generation(
     try:
         async for _ in owner.events():
             pass
-        await formatter.finished(owner)
+        finish = formatter.finishing(owner)
+        if finish is not None:
+            await finish()
         return jsonify(formatter.body(owner))
     finally:
         owner.close()
@@ -204,7 +208,12 @@ async def _stream(owner: RequestOwner, formatter: Formatter) -> AsyncIterator[by
         # The last outputs go out with the stream's end (or its error event) in one write: the
         # request's last chunk then costs one pass through Quart, Hypercorn and h11 and one
         # send(2), not two. The bytes are the same.
-        await formatter.finished(owner)
+        finish = formatter.finishing(owner)
+        if finish is not None:  # the last outputs must not wait for it (a store's round trip)
+            if body:
+                yield body
+                body = b""
+            await finish()
         yield body + formatter.closing(owner)
     except APIError as exc:
         yield body + formatter.stream_error(exc)

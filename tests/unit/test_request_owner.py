@@ -686,3 +686,38 @@ def test_the_last_outputs_go_out_in_one_write_with_the_end_of_the_stream(tmp_pat
             r.assert_all_released()
 
     asyncio.run(scenario())
+
+
+class StoringMarks(Marks):
+    """Marks whose finish waits for a store (a round trip to Redis, say) until `stored` is set."""
+
+    def __init__(self) -> None:
+        self.stored = asyncio.Event()
+
+    def finishing(self, owner: RequestOwner) -> Any:
+        return self.stored.wait
+
+
+def test_the_last_outputs_do_not_wait_for_the_formatters_finish(tmp_path: Path) -> None:
+    """A formatter with work to do before the end (storing a response) gets the last outputs
+    written first: they go out at once, the end once its work is done."""
+
+    async def scenario() -> None:
+        async with rig(tmp_path) as r:
+            owner = r.open()
+            await asyncio.wait_for(asyncio.gather(owner.admit(), r.peers["w0"].generates(1, accept=True)), 2)
+            rid = owner.choices[0].rid
+            formatter = StoringMarks()
+            body = _stream(owner, formatter)
+            await r.peers["w0"].send(wire.Step([output(rid, "b", FinishReason.STOP)]))
+            assert await asyncio.wait_for(body.__anext__(), 1) == b"[0:b]"
+            end = asyncio.ensure_future(body.__anext__())
+            await asyncio.sleep(0)
+            assert not end.done()
+            formatter.stored.set()
+            assert await asyncio.wait_for(end, 1) == b"<end>"
+            with pytest.raises(StopAsyncIteration):
+                await body.__anext__()
+            r.assert_all_released()
+
+    asyncio.run(scenario())
