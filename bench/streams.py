@@ -5,8 +5,9 @@ ways to run one round of N streams and what each records: the arrival time of ev
 time to first token, tokens per second and the gap between tokens are all counted by tokens.
 Raw rounds drive the engine's own generator (exllamav2's or exllamav3's) directly, with the
 library's own job and greedy sampler, and also time every generator step. HTTP rounds stream
-/v1/completions: with `logprobs` each chunk says how many tokens it carries; without, the count
-is checked instead (every chunk must be one token, which the demo tokenizer makes true).
+/v1/completions over aiohttp, one kept-alive connection per stream: with `logprobs` each chunk says
+how many tokens it carries; without, the count is checked instead (every chunk must be one token,
+which the demo tokenizer makes true).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
+import aiohttp
 
 
 @dataclass
@@ -147,8 +148,9 @@ _round_numbers = itertools.count()
 
 def http_round(url: str, model: str, prompts: list[str], new_tokens: int, logprobs: int | None) -> Round:
     """One round of concurrent streamed completions from one asyncio client in this process (one
-    connection per stream): the same client for our gateway and for any peer server. Its own CPU
-    time is recorded, to show that the client is not what limits the figures."""
+    kept-alive connection per stream, opened before the clock starts, as an SDK's pool holds them):
+    the same client for our gateway and for any peer server. Its own CPU time is recorded, to show
+    that the client is not what limits the figures."""
     round_id = f"bench-{model}-{len(prompts)}s-{next(_round_numbers)}"
     cpu_started = time.process_time()
     done = asyncio.run(_http_streams(url, model, prompts, new_tokens, logprobs, round_id))
@@ -164,17 +166,16 @@ async def _http_streams(
                             "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
     if logprobs is not None:
         body["logprobs"] = logprobs
-    limits = httpx.Limits(max_connections=len(prompts), max_keepalive_connections=len(prompts))
 
-    async def one(client: httpx.AsyncClient, index: int, prompt: str) -> tuple[Stream, int]:
+    async def one(session: aiohttp.ClientSession, index: int, prompt: str) -> tuple[Stream, int]:
         stream, chunks, usage = Stream(time.perf_counter()), 0, None
         headers = {"X-Request-ID": f"{round_id}-{index}"}
         request = {**body, "prompt": prompt}
-        async with client.stream("POST", "/v1/completions", json=request, headers=headers) as response:
-            if response.status_code != 200:
-                raise RuntimeError(f"HTTP {response.status_code}: {(await response.aread()).decode()[:300]}")
-            async for line in response.aiter_lines():
-                if not line.startswith("data: {"):
+        async with session.post("/v1/completions", json=request, headers=headers) as response:
+            if response.status != 200:
+                raise RuntimeError(f"HTTP {response.status}: {(await response.text())[:300]}")
+            async for line in response.content:
+                if not line.startswith(b"data: {"):
                     continue
                 now = time.perf_counter()
                 event = json.loads(line[6:])
@@ -191,8 +192,19 @@ async def _http_streams(
             raise RuntimeError(f"stream ended with usage {usage}, expected {new_tokens} tokens")
         return stream, chunks
 
-    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
-        return await asyncio.gather(*(one(client, i, prompt) for i, prompt in enumerate(prompts)))
+    async def open_connection(session: aiohttp.ClientSession) -> None:
+        # Any answer leaves the connection open in the pool; /v1/models is on every OpenAI server.
+        async with session.get("/v1/models") as response:
+            await response.read()
+
+    # A client's connection setup is its own cost, not the server's: the raw path has none, and an
+    # SDK keeps its connections alive between requests. So each stream's connection is opened (all
+    # at once, so that there is one per stream) before the round's clock starts.
+    connector = aiohttp.TCPConnector(limit=len(prompts), keepalive_timeout=600)
+    timeout = aiohttp.ClientTimeout(total=600)
+    async with aiohttp.ClientSession(url, connector=connector, timeout=timeout) as session:
+        await asyncio.gather(*(open_connection(session) for _ in prompts))
+        return await asyncio.gather(*(one(session, i, prompt) for i, prompt in enumerate(prompts)))
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -51,6 +51,9 @@ packages=(
     # the OpenAI SDK used by tests and benchmarks, with its HTTP stack
     openai==3.54.0 jiter==0.19.0 sniffio==1.3.1 anyio==4.16.0 idna==3.20 distro==1.9.0
     httpx2==2.16.2 httpcore2==2.16.2 truststore==0.10.5
+    # the benchmarks' HTTP client (bench/streams.py)
+    aiohttp==3.14.5 aiohappyeyeballs==2.7.1 aiosignal==1.4.0 attrs==26.1.0 frozenlist==1.8.0
+    multidict==6.9.1 propcache==0.5.4 yarl==1.25.1
 )
 
 mkdir -p "$dest"
