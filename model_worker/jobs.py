@@ -52,9 +52,6 @@ class JobDesk:
         self.engine, self.spec = engine, spec
         self.send = send
         self.live: set[str] = set()
-        # Started jobs with no output yet, and whether the last step's outputs held a first one.
-        self._silent: set[str] = set()
-        self.step_had_first = False
         # Admitted beyond max_jobs: started in arrival order as running jobs end.
         self._queued: collections.OrderedDict[str, tuple[wire.Generate, list[int]]] = (
             collections.OrderedDict()
@@ -182,7 +179,6 @@ class JobDesk:
             self.send(wire.Step([last]))
             return
         self.live.add(msg.rid)
-        self._silent.add(msg.rid)
         if scored is not None:
             self._prompt_logprobs[msg.rid] = scored
 
@@ -191,12 +187,8 @@ class JobDesk:
         logprobs."""
         if self.spans is not None:
             self.spans.outputs(outputs)
-        ended = self.step_had_first = False
-        silent = self._silent
+        ended = False
         for index, output in enumerate(outputs):
-            if output.rid in silent:
-                silent.discard(output.rid)
-                self.step_had_first = True
             if output.finish_reason is not None:
                 self.live.discard(output.rid)
                 ended = True
@@ -224,7 +216,6 @@ class JobDesk:
         if self.spans is not None:
             self.spans.cancelled(rid)
         self.live.discard(rid)
-        self._silent.discard(rid)
         self._prompt_logprobs.pop(rid, None)
         self._parked = [p for p in self._parked if p.message.rid != rid]
         if self._queued.pop(rid, None) is not None:
@@ -238,7 +229,6 @@ class JobDesk:
         for rid in rids:
             self.engine.cancel(rid)
         self.live.clear()
-        self._silent.clear()
         for parked in self._parked:
             self._reject(parked.message.rid, RequestRejected(RejectCode.SHUTTING_DOWN, reason, None))
         self._parked.clear()

@@ -80,7 +80,6 @@ class LinkThread:
         self._outbox = Outbox(sock, patience_s)
         self._desk: PromptDesk | None = None
         self._desk_set = threading.Event()  # the prompt thread waits for it (a listener reads early)
-        self._handed_over = threading.Event()  # set by this thread when its queue is all sent
         self._stopping = False
         # The doorbell: the engine thread writes a byte after each hand-over, this thread polls it
         # beside the socket (a socket must not be shared between threads, a pipe may).
@@ -122,14 +121,6 @@ class LinkThread:
         except queue.Full:
             self._wait_for_room(message)
         self._ring()
-
-    def send_promptly(self, message: wire.Message, wait_s: float) -> None:
-        """send(), then wait (at most wait_s) until this thread has handed the frame to ZeroMQ.
-        For a step that holds a job's first token: the engine's next step may keep the GIL for
-        most of its length, and the frame would wait behind it; waiting here lets the GIL go."""
-        self._handed_over.clear()
-        self.send(message)
-        self._handed_over.wait(wait_s)
 
     def send_last(self, message: wire.Message) -> None:
         """A message sent on the way out (Fatal, goodbye): best effort, since the process's exit is
@@ -325,7 +316,6 @@ class LinkThread:
                 return
             message = self._next_message()
             if message is None:
-                self._handed_over.set()  # every message so far is ZeroMQ's now
                 return
             for target, frame in self._encode(message):
                 self._outbox.add(target, frame)

@@ -54,11 +54,6 @@ LOADING_STATES = (WorkerState.STARTING, WorkerState.LOADING, WorkerState.WARMING
 # How long a full send queue may wait for the gateway before the worker gives up (the gateway's
 # own heartbeat timeout, 30 s by default, has declared it lost by then).
 SEND_PATIENCE_S = 60.0
-# How long the engine thread waits, after a step that holds a job's first token, for the link
-# thread to send that frame before it starts the next step (GATEWAY_FIRST_OUTPUT_WAIT_MS; 0: not
-# at all). A step of exllamav3's C++ decode path may keep the GIL for most of its length, and the
-# first token would wait behind it.
-FIRST_OUTPUT_WAIT_S = float(os.environ.get("GATEWAY_FIRST_OUTPUT_WAIT_MS", "2")) / 1000
 
 
 class Worker:
@@ -302,11 +297,7 @@ class Worker:
                         [(o.rid, len(o.token_ids), o.finish_reason is not None) for o in outputs]
                     )
                 if outputs:
-                    step = wire.Step(jobs.outputs(outputs))
-                    if jobs.step_had_first and FIRST_OUTPUT_WAIT_S > 0:
-                        link.send_promptly(step, FIRST_OUTPUT_WAIT_S)
-                    else:
-                        self._send(step)
+                    self._send(wire.Step(jobs.outputs(outputs)))
                     jobs.start_waiting()  # queued jobs the finished ones made room for
                 if trace is not None:
                     trace.after_send()

@@ -75,26 +75,6 @@ def test_a_full_queue_waits_for_the_gateway_and_loses_nothing(sockets: tuple[zmq
     assert link.close(flush_s=5.0)
 
 
-def test_a_prompt_send_returns_once_the_frame_is_zeromqs_and_never_drops_one(
-    sockets: tuple[zmq.Socket, zmq.Socket],
-) -> None:
-    dealer, router = sockets
-    link = LinkThread(dealer, patience_s=30.0, forward=FORWARD)
-    link.start()
-    step = wire.Step([])
-    link.send_promptly(step, wait_s=30.0)  # the link thread signals the hand-over, not the timeout
-    assert link._handed_over.is_set() and link._outbound.empty() and not link._outbox
-    assert isinstance(wire.decode(router.recv_multipart()[1]), wire.Step)
-    # With the queue to the gateway full, the wait ends at wait_s and the frame waits its turn.
-    for i in range(40):
-        link.send(big(i))
-    wait_until(lambda: link.waits >= 1, "a frame to find the queue to the gateway full")
-    link.send_promptly(wire.Tokens("last", [], ""), wait_s=0.05)
-    received = [wire.decode(router.recv_multipart()[1]) for _ in range(41)]
-    assert [m.rid for m in received] == [f"r{i}" for i in range(40)] + ["last"]
-    assert link.close(flush_s=5.0)
-
-
 def test_a_gateway_that_takes_nothing_fails_the_engine_thread(
     sockets: tuple[zmq.Socket, zmq.Socket], monkeypatch: pytest.MonkeyPatch
 ) -> None:

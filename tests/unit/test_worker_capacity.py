@@ -96,19 +96,3 @@ def test_a_gateway_gets_the_cap_less_the_other_gateways_jobs() -> None:
     shared = _handle(WorkerLoad(active=4, queued=1, max_jobs=4, max_queue=2, yours=1))
     assert shared.others_jobs == 4 and shared.slot_limit(8) == 0
     assert _handle(WorkerLoad(active=3, queued=0, max_jobs=4, max_queue=0, yours=2)).slot_limit(8) == 3
-
-
-def test_a_step_is_marked_when_it_holds_a_jobs_first_output() -> None:
-    desk, _, _ = _desk(max_jobs=4, max_queue=0)
-    for rid in "ab":
-        desk.generate(_job(rid))
-    desk.outputs([JobOutput("a", "x", [3])])
-    assert desk.step_had_first  # a's first token: the loop sends this frame before stepping on
-    desk.outputs([JobOutput("a", "y", [4])])
-    assert not desk.step_had_first
-    desk.outputs([JobOutput("a", "z", [5]), JobOutput("b", "x", [3])])
-    assert desk.step_had_first  # b's first, beside a's third
-    desk.generate(_job("c"))
-    desk.cancel("c")  # a job cancelled before its first output is forgotten, not marked later
-    desk.outputs([JobOutput("b", "y", [4], FinishReason.LENGTH)])
-    assert not desk.step_had_first
