@@ -54,6 +54,8 @@ packages=(
     # the benchmarks' HTTP client (bench/streams.py)
     aiohttp==3.14.5 aiohappyeyeballs==2.7.1 aiosignal==1.4.0 attrs==26.1.0 frozenlist==1.8.0
     multidict==6.9.1 propcache==0.5.4 yarl==1.25.1
+    # other ASGI servers that bench/bench_sse_floor.py --servers puts beside Hypercorn (bench only)
+    uvicorn==0.54.0 httptools==0.9.0 granian==2.8.9 click==8.5.1
 )
 
 mkdir -p "$dest"
