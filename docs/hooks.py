@@ -109,8 +109,9 @@ def known_fields() -> set[str]:
     """Every configuration path a page may name: server.*, models[] fields and their nests,
     limits.*, defaults.*, engine_settings.* (any engine's) and cluster.*."""
     registry = importlib.import_module("gateway.config.registry")
+    models = importlib.import_module("gateway.config.models")
     known = {path for path, *_ in field_rows(registry.ServerConfig, "server.")}
-    known |= {path for path, *_ in field_rows(registry.ModelConfig)}
+    known |= {path for path, *_ in field_rows(models.ModelConfig)}
     for spec in ENGINE_SETTINGS:
         module, name = spec.split(":")
         known |= {path for path, *_ in field_rows(load_model(module, name), "engine_settings.")}

@@ -372,7 +372,8 @@ def test_gateway_mounts_what_its_registry_names_and_probes_its_health_endpoints(
 
 
 def test_registry_configmap_is_a_valid_registry(docs: list[dict[str, Any]]) -> None:
-    from gateway.config.registry import ModelConfig, ServerConfig, parse_registry
+    from gateway.config.models import ModelConfig
+    from gateway.config.registry import ServerConfig, parse_registry
 
     if "remote" not in ModelConfig.model_fields or "remote_workers" not in ServerConfig.model_fields:
         pytest.skip("this checkout's registry has no remote workers yet")
