@@ -35,7 +35,7 @@ def test_the_site_builds_strictly_with_every_field_documented(tmp_path: Path) ->
     assert built.returncode == 0, built.stdout + built.stderr
     page = (tmp_path / "site" / "configuration" / "index.html").read_text()
     from gateway.config.models import ModelConfig
-    from gateway.config.registry import ServerConfig
+    from gateway.config.server_config import ServerConfig
 
     for name in ServerConfig.model_fields:
         assert f"server.{name}</code>" in page, name
@@ -49,7 +49,7 @@ def test_the_site_builds_strictly_with_every_field_documented(tmp_path: Path) ->
 def test_every_field_has_a_description() -> None:
     docs = hooks()
     from gateway.config.models import ModelConfig
-    from gateway.config.registry import ServerConfig
+    from gateway.config.server_config import ServerConfig
 
     rows = docs.field_rows(ServerConfig, "server.") + docs.field_rows(ModelConfig)
     for spec in docs.ENGINE_SETTINGS:

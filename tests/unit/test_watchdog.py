@@ -7,7 +7,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from gateway.config.models import ModelConfig
-from gateway.config.registry import ServerConfig
+from gateway.config.server_config import ServerConfig
 from gateway.link.handle import WorkerHandle
 from gateway.link.step_watch import StepWatch
 from gateway.workers.watchdog import death_cause
