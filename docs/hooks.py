@@ -108,9 +108,10 @@ def fields_table(module: str, name: str, prefix: str = "") -> str:
 def known_fields() -> set[str]:
     """Every configuration path a page may name: server.*, models[] fields and their nests,
     limits.*, defaults.*, engine_settings.* (any engine's) and cluster.*."""
-    registry = importlib.import_module("gateway.config.registry")
-    known = {path for path, *_ in field_rows(registry.ServerConfig, "server.")}
-    known |= {path for path, *_ in field_rows(registry.ModelConfig)}
+    server = importlib.import_module("gateway.config.server_config")
+    models = importlib.import_module("gateway.config.models")
+    known = {path for path, *_ in field_rows(server.ServerConfig, "server.")}
+    known |= {path for path, *_ in field_rows(models.ModelConfig)}
     for spec in ENGINE_SETTINGS:
         module, name = spec.split(":")
         known |= {path for path, *_ in field_rows(load_model(module, name), "engine_settings.")}

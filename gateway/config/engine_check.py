@@ -20,7 +20,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from gateway.config.registry import ConfigError, ModelConfig
+from gateway.config.models import ModelConfig
+from gateway.config.registry import ConfigError
 
 logger = logging.getLogger(__name__)
 

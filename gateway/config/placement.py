@@ -14,7 +14,8 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from gateway.config.registry import ModelConfig, Registry
+from gateway.config.models import ModelConfig
+from gateway.config.registry import Registry
 
 logger = logging.getLogger(__name__)
 GIB = 1024**3

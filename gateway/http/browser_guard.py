@@ -21,7 +21,7 @@ from urllib.parse import urlsplit
 from quart import request
 
 from gateway.config.api_keys import is_loopback
-from gateway.config.registry import ServerConfig
+from gateway.config.server_config import ServerConfig
 from gateway.errors import PermissionDenied, UnsupportedMediaType
 from gateway.observability.logging_setup import RateLimitedLog
 

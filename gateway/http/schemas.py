@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from gateway.config.registry import ModelConfig
+from gateway.config.models import ModelConfig
 from gateway.errors import InvalidRequest
 from gateway.http.extensions import response_format_constraint, structured_output
 from wire import params as wire

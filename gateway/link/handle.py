@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from gateway.config.registry import ModelConfig
+from gateway.config.models import ModelConfig
 from gateway.link.step_watch import StepWatch
 from wire import messages as wire
 from wire.codec import as_dict

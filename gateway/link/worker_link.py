@@ -37,7 +37,8 @@ import zmq.asyncio
 from gateway.cluster.backends import identity
 from gateway.cluster.membership import WorkerRecord
 from gateway.cluster.settings import ClusterConfig
-from gateway.config.registry import ConfigError, RemoteWorkersConfig
+from gateway.config.registry import ConfigError
+from gateway.config.server_config import RemoteWorkersConfig
 from gateway.errors import APIError, InvalidRequest
 from gateway.link.listener_cap import ListenerCap
 from gateway.link.remote_keys import AuthorizedKeys, WorkerKey, key_label

@@ -20,7 +20,7 @@ from typing import Any
 
 import msgspec
 
-from gateway.config.registry import ModelConfig
+from gateway.config.models import ModelConfig
 from gateway.errors import InvalidRequest
 from gateway.reasoning.parsers import ReasoningParser, parser_named
 from wire.params import SamplingParams

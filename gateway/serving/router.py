@@ -19,7 +19,8 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from gateway.config.api_keys import Priority
-from gateway.config.registry import ModelConfig, Registry
+from gateway.config.models import ModelConfig
+from gateway.config.registry import Registry
 from gateway.errors import InvalidRequest, ModelNotFound, QueueFull, RequestTimeout, ServiceUnavailable
 from gateway.serving.priority import effective_rank, request_priority
 from wire.states import MAY_SERVE, WorkerState, model_state

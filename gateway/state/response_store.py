@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from gateway.config.registry import ResponseStoreConfig
+from gateway.config.server_config import ResponseStoreConfig
 
 logger = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ from gateway.cluster.etcd_reloads import TROUBLE, EtcdReloads
 from gateway.cluster.membership import Leader, WorkerRecord, cancel_and_wait
 from gateway.cluster.reload_request import ReloadRequest
 from gateway.cluster.settings import EtcdSettings
-from gateway.config.registry import ModelConfig
+from gateway.config.models import ModelConfig
 from gateway.errors import ServiceUnavailable
 from gateway.link.handle import WorkerHandle
 from gateway.link.worker_link import WorkerLink

@@ -29,7 +29,8 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from gateway.cluster.reload_request import ReloadRequest
-from gateway.config.registry import ModelConfig, worker_spec
+from gateway.config.models import ModelConfig
+from gateway.config.registry import worker_spec
 from gateway.workers.cluster_plan import Action, WorkerView
 from wire.states import WorkerState
 

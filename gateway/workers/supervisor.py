@@ -30,7 +30,8 @@ from typing import TYPE_CHECKING
 
 from gateway.cluster.decisions import Decisions
 from gateway.config.api_keys import API_KEY_VARIABLES
-from gateway.config.registry import ModelConfig, Registry, worker_spec
+from gateway.config.models import ModelConfig
+from gateway.config.registry import Registry, worker_spec
 from gateway.errors import WorkerFailed
 from gateway.link.cluster_members import ClusterMembers
 from gateway.link.handle import WorkerHandle

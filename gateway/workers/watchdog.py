@@ -12,7 +12,7 @@ A cause the worker reported itself (its Fatal) is kept by the caller: it says wh
 
 from __future__ import annotations
 
-from gateway.config.registry import ServerConfig
+from gateway.config.server_config import ServerConfig
 from gateway.link.handle import WorkerHandle
 from gateway.link.worker_link import WorkerLink
 from wire.states import WorkerState

@@ -372,7 +372,9 @@ def test_gateway_mounts_what_its_registry_names_and_probes_its_health_endpoints(
 
 
 def test_registry_configmap_is_a_valid_registry(docs: list[dict[str, Any]]) -> None:
-    from gateway.config.registry import ModelConfig, ServerConfig, parse_registry
+    from gateway.config.models import ModelConfig
+    from gateway.config.registry import parse_registry
+    from gateway.config.server_config import ServerConfig
 
     if "remote" not in ModelConfig.model_fields or "remote_workers" not in ServerConfig.model_fields:
         pytest.skip("this checkout's registry has no remote workers yet")
@@ -656,7 +658,8 @@ def test_the_cluster_registry_is_the_parents_plus_its_cluster_section(
 def test_the_cluster_registry_and_worker_flags_are_accepted_once_integrated(
     cluster_docs: list[dict[str, Any]],
 ) -> None:
-    from gateway.config.registry import ServerConfig, parse_registry
+    from gateway.config.registry import parse_registry
+    from gateway.config.server_config import ServerConfig
 
     if "cluster" not in ServerConfig.model_fields:
         pytest.skip("awaiting integration: the registry's server section has no `cluster` yet")

@@ -34,7 +34,8 @@ def test_the_site_builds_strictly_with_every_field_documented(tmp_path: Path) ->
     )  # fmt: skip
     assert built.returncode == 0, built.stdout + built.stderr
     page = (tmp_path / "site" / "configuration" / "index.html").read_text()
-    from gateway.config.registry import ModelConfig, ServerConfig
+    from gateway.config.models import ModelConfig
+    from gateway.config.server_config import ServerConfig
 
     for name in ServerConfig.model_fields:
         assert f"server.{name}</code>" in page, name
@@ -47,7 +48,8 @@ def test_the_site_builds_strictly_with_every_field_documented(tmp_path: Path) ->
 
 def test_every_field_has_a_description() -> None:
     docs = hooks()
-    from gateway.config.registry import ModelConfig, ServerConfig
+    from gateway.config.models import ModelConfig
+    from gateway.config.server_config import ServerConfig
 
     rows = docs.field_rows(ServerConfig, "server.") + docs.field_rows(ModelConfig)
     for spec in docs.ENGINE_SETTINGS:

@@ -14,7 +14,8 @@ from typing import Any
 
 import pytest
 
-from gateway.config.registry import ModelConfig, Registry
+from gateway.config.models import ModelConfig
+from gateway.config.registry import Registry
 from gateway.http.health_routes import gateway_ready
 from gateway.link.handle import WorkerHandle
 from gateway.serving.router import ModelRoute

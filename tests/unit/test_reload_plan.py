@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from gateway.cluster.reload_request import ReloadRequest
-from gateway.config.registry import ModelConfig
+from gateway.config.models import ModelConfig
 from gateway.workers.cluster_plan import WorkerView
 from gateway.workers.reload_plan import fingerprint, next_steps, worker_changes
 from wire.states import WorkerState

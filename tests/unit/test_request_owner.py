@@ -18,7 +18,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from gateway.config.registry import ModelConfig, ModelLimits
+from gateway.config.models import ModelConfig, ModelLimits
 from gateway.errors import APIError, InvalidRequest, RequestTimeout, ServiceUnavailable, WorkerFailed
 from gateway.http.serving_path import Formatter, _stream
 from gateway.link.handle import WorkerHandle

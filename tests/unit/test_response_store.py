@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from gateway.config.registry import ResponseStoreConfig, ServerConfig
+from gateway.config.server_config import ResponseStoreConfig, ServerConfig
 from gateway.state.redis_store import RedisResponseStore
 from gateway.state.response_store import StoredResponse, StoreUnavailable, open_store
 from gateway.state.sqlite_store import SqliteResponseStore

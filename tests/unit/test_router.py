@@ -13,7 +13,8 @@ from typing import Any, TypeVar
 
 import pytest
 
-from gateway.config.registry import ModelConfig, ModelLimits, Registry
+from gateway.config.models import ModelConfig, ModelLimits
+from gateway.config.registry import Registry
 from gateway.errors import InvalidRequest, ModelNotFound, QueueFull, RequestTimeout, ServiceUnavailable
 from gateway.link.handle import WorkerHandle
 from gateway.serving.router import AdmissionStopped, ModelRoute, ReplicasExhausted, Router

@@ -6,7 +6,8 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
-from gateway.config.registry import ModelConfig, ServerConfig
+from gateway.config.models import ModelConfig
+from gateway.config.server_config import ServerConfig
 from gateway.link.handle import WorkerHandle
 from gateway.link.step_watch import StepWatch
 from gateway.workers.watchdog import death_cause

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from gateway.config.registry import ModelConfig
+from gateway.config.models import ModelConfig
 from gateway.link.handle import WorkerHandle
 from model_worker.jobs import JobDesk
 from model_worker.prompt_desk import PreparedJob

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.config.registry import ModelConfig
+from gateway.config.models import ModelConfig
 from gateway.link.handle import WorkerHandle
 from wire.states import (
     MAY_SERVE,
