@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, TypeVar, cast
+from typing import Any, Protocol, cast
 
 import zmq
 import zmq.asyncio
@@ -41,10 +41,11 @@ from gateway.config.registry import ConfigError, RemoteWorkersConfig
 from gateway.errors import APIError, InvalidRequest
 from gateway.link.listener_cap import ListenerCap
 from gateway.link.remote_keys import AuthorizedKeys, WorkerKey, key_label
+from gateway.link.router_socket import configured
 from gateway.link.worker_dialer import WorkerDialer, load_cluster_keys
 from gateway.observability.logging_setup import RateLimitedLog
 from wire import messages as wire
-from wire.codec import ENCODE_ERRORS, MAX_SOCKET_MESSAGE_BYTES, ProtocolError
+from wire.codec import ENCODE_ERRORS, ProtocolError
 from wire.results import JobOutput
 
 logger = logging.getLogger(__name__)
@@ -114,7 +115,7 @@ class WorkerLink:
         self._on_lifecycle = on_lifecycle
         self._ctx = zmq.asyncio.Context()
         # Plain (not asyncio) socket: read by _drain_local from a reader on its descriptor.
-        self._sock: zmq.Socket[bytes] = _configured(zmq.Socket(self._ctx, zmq.ROUTER))
+        self._sock: zmq.Socket[bytes] = configured(zmq.Socket(self._ctx, zmq.ROUTER))
         self._drain_scheduled = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._remote_sock: zmq.asyncio.Socket | None = None
@@ -143,7 +144,7 @@ class WorkerLink:
         }
 
     def _router_socket(self) -> zmq.asyncio.Socket:
-        return _configured(self._ctx.socket(zmq.ROUTER))
+        return configured(self._ctx.socket(zmq.ROUTER))
 
     async def start(self) -> None:
         self._sock.bind(self.endpoint)
@@ -465,19 +466,6 @@ class WorkerLink:
             job = self._jobs.get(rid)
             if job is not None and job.worker_id == worker_id:
                 job.on_aborted(message)
-
-
-SocketT = TypeVar("SocketT", bound="zmq.Socket[Any]")
-
-
-def _configured(sock: SocketT) -> SocketT:
-    sock.setsockopt(zmq.MAXMSGSIZE, MAX_SOCKET_MESSAGE_BYTES)
-    sock.setsockopt(zmq.SNDHWM, 100_000)
-    sock.setsockopt(zmq.RCVHWM, 100_000)
-    # Fail loudly instead of silently dropping frames addressed to a worker that is gone.
-    sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-    sock.setsockopt(zmq.LINGER, 0)
-    return sock
 
 
 def _take_exception(future: asyncio.Future[Any]) -> None:
