@@ -1,8 +1,9 @@
 """The options every ROUTER socket that the worker link binds is made with.
 
 Runs in the gateway process, on its asyncio loop. Owns `configured`, shared by the link's local ipc
-socket and the remote workers' tcp listener (gateway.link.worker_link), so both bound their frames
-and queues alike and neither drops a frame quietly.
+socket (gateway.link.worker_link) and the remote workers' tcp listener
+(gateway.link.worker_identities), so both bound their frames and queues alike and neither drops a
+frame quietly.
 """
 
 from __future__ import annotations
