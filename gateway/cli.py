@@ -34,7 +34,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     check_bind_allowed(registry, host, os.environ)  # no keys: loopback only
     _check_placement(registry)
     if registry.server.remote_workers is not None:
-        from gateway.link.worker_link import check_remote_keys
+        from gateway.link.worker_identities import check_remote_keys
 
         check_remote_keys(registry.server.remote_workers)  # a tcp listener without keys never starts
     if registry.server.cluster is not None:

@@ -1,8 +1,9 @@
 """The gateway's connections out to listening workers (cluster mode): one ROUTER socket, CURVE client.
 
-Runs in the gateway process, on its asyncio loop (the link, gateway.link.worker_link, reads and
-writes the socket; this module connects and disconnects it). Owns the socket, the gateway's routing
-id on it, and which worker each connection reaches. Each worker is connected with its worker id as
+Runs in the gateway process, on its asyncio loop (the link reads and writes the socket: its frames
+in gateway.link.worker_link, its Pings in gateway.link.worker_identities; this module connects and
+disconnects it). Owns the socket, the gateway's routing id on it, and which worker each
+connection reaches. Each worker is connected with its worker id as
 the connection's routing id (ZMQ_CONNECT_ROUTING_ID), so frames to and from it are addressed by
 that id exactly as on the listener sockets, and with the worker's own public key as the CURVE
 server key, so only that worker can answer on it. The routing id the gateway presents is its

@@ -14,11 +14,12 @@ waiting and dispatches it in the same turn of the loop (no future, no task wake-
 The descriptor only signals a change of state, and a send may consume that signal, so after each
 send on that socket the callback is scheduled once more (pyzmq's asyncio socket does the same).
 
-Identities are bound to where they belong: a local worker's id is accepted only on the ipc
-socket (the supervisor registers it before spawning), and a remote worker's id only over tcp, from
-the CURVE key it joined with, while that key is still authorized; a listening worker's id only on
-the connection made to it with its own key. A frame about a job counts only from the worker that
-holds the job. Every refusal is logged (rate-limited) with the key's name.
+Which worker may speak over which socket is decided in the link's base class, `WorkerIdentities`
+(gateway.link.worker_identities: the identity tables, the remote workers' listener and keys, the
+dialled workers), which every reader asks before it decodes a frame. A base class, not an object the
+link holds, so that the check every frame (every token) passes is one method call on the link, with
+no other object in between. A frame about a job counts only from the worker that holds the job.
+Every refusal is logged (rate-limited) with the key's name.
 """
 
 from __future__ import annotations
@@ -28,24 +29,22 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Protocol, TypeVar, cast
+from typing import Any, Protocol, cast
 
 import zmq
 import zmq.asyncio
 
 from gateway.cluster.backends import identity
-from gateway.cluster.membership import WorkerRecord
 from gateway.cluster.settings import ClusterConfig
-from gateway.config.registry import ConfigError
 from gateway.config.server_config import RemoteWorkersConfig
 from gateway.errors import APIError, InvalidRequest
 from gateway.link.listener_cap import ListenerCap
-from gateway.link.remote_keys import AuthorizedKeys, WorkerKey, key_label
+from gateway.link.remote_keys import WorkerKey
+from gateway.link.router_socket import configured
 from gateway.link.worker_dialer import WorkerDialer, load_cluster_keys
-from gateway.observability.logging_setup import RateLimitedLog
+from gateway.link.worker_identities import WorkerIdentities
 from wire import messages as wire
-from wire.codec import ENCODE_ERRORS, MAX_SOCKET_MESSAGE_BYTES, ProtocolError
+from wire.codec import ENCODE_ERRORS, ProtocolError
 from wire.results import JobOutput
 
 logger = logging.getLogger(__name__)
@@ -78,29 +77,11 @@ class _Exchange:
     reply: asyncio.Future[wire.Tokens | wire.Embeddings | wire.Rejected]
 
 
-def check_remote_keys(remote: RemoteWorkersConfig) -> tuple[bytes, bytes, list[Path]]:
-    """The gateway's CURVE key pair and the authorized worker keys; ConfigError if unusable."""
-    import zmq.auth
-
-    try:
-        public, secret = zmq.auth.load_certificate(str(remote.secret_key_file))
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"{remote.secret_key_file}: cannot read the CURVE secret key: {exc}") from None
-    if secret is None:
-        raise ConfigError(f"{remote.secret_key_file}: not a CURVE secret key file (make one: gateway keys)")
-    authorized = sorted(Path(remote.authorized_keys_dir).glob("*.key"))
-    if not authorized:
-        raise ConfigError(
-            f"{remote.authorized_keys_dir}: no authorized worker keys (*.key); refusing to listen on tcp"
-        )
-    return public, secret, authorized
-
-
 # (worker id, message, the CURVE key of a remote worker's frame, or None for the local socket)
 LifecycleCallback = Callable[[str, wire.Message, "WorkerKey | None"], None]
 
 
-class WorkerLink:
+class WorkerLink(WorkerIdentities):
     def __init__(
         self,
         endpoint: str,
@@ -108,27 +89,20 @@ class WorkerLink:
         remote: RemoteWorkersConfig | None = None,
         cluster: ClusterConfig | None = None,
     ) -> None:
+        super().__init__()
         self.endpoint = endpoint
         self.remote = remote
         self.cluster = cluster
-        self.dialer: WorkerDialer | None = None
         self._on_lifecycle = on_lifecycle
         self._ctx = zmq.asyncio.Context()
         # Plain (not asyncio) socket: read by _drain_local from a reader on its descriptor.
-        self._sock: zmq.Socket[bytes] = _configured(zmq.Socket(self._ctx, zmq.ROUTER))
+        self._sock: zmq.Socket[bytes] = configured(zmq.Socket(self._ctx, zmq.ROUTER))
         self._drain_scheduled = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._remote_sock: zmq.asyncio.Socket | None = None
         self._remote_cap: ListenerCap | None = None
-        self._authenticator: Any = None
-        self.keys: AuthorizedKeys | None = None
-        self._local_ids: set[str] = set()  # registered by the supervisor before each spawn
-        self._remote_keys: dict[str, str] = {}  # remote worker id -> the public key it joined with
-        self._refusals = RateLimitedLog(logger, every_s=10.0)
         self._jobs: dict[str, JobReceiver] = {}
         self._exchanges: dict[str, _Exchange] = {}
-        # When each worker last sent anything: any frame proves it alive, not only heartbeats.
-        self.last_seen: dict[str, float] = {}
         # For the supervisor's wedge watchdog, beside what heartbeats report: when each worker id
         # last sent a Step frame, and when it was last handed a job.
         self.last_step_frame: dict[str, float] = {}
@@ -142,9 +116,6 @@ class WorkerLink:
             wire.Embeddings: self._on_reply,
             wire.JobsAborted: self._on_jobs_aborted,
         }
-
-    def _router_socket(self) -> zmq.asyncio.Socket:
-        return _configured(self._ctx.socket(zmq.ROUTER))
 
     async def start(self) -> None:
         self._sock.bind(self.endpoint)
@@ -162,26 +133,6 @@ class WorkerLink:
             reader = asyncio.create_task(self._read_dialed_forever(self.dialer), name="worker-link-cluster")
             self._readers.append(reader)
             logger.info("cluster mode: connecting to listening workers as %s", self.dialer.routing_id)
-
-    def _start_remote_listener(self, remote: RemoteWorkersConfig) -> zmq.asyncio.Socket:
-        """tcp with CURVE: traffic is encrypted and only workers whose public key is authorized get in."""
-        from zmq.auth.asyncio import AsyncioAuthenticator
-
-        public, secret, authorized = check_remote_keys(remote)
-        self.keys = AuthorizedKeys(remote.authorized_keys_dir)
-        self._authenticator = AsyncioAuthenticator(self._ctx)
-        self._authenticator.start()
-        # ZAP asks at each handshake whether the key is in the folder now (re-read when it changes).
-        self._authenticator.configure_curve_callback(domain="*", credentials_provider=self.keys)
-        sock = self._router_socket()
-        # A connection that has not finished its handshake by then is dropped: no key, no stay.
-        sock.setsockopt(zmq.HANDSHAKE_IVL, int(remote.handshake_timeout_s * 1000))
-        sock.curve_secretkey = secret
-        sock.curve_publickey = public
-        sock.curve_server = True
-        sock.bind(remote.bind)
-        logger.info("remote workers: listening on %s (%d authorized key(s))", remote.bind, len(authorized))
-        return sock
 
     async def close(self) -> None:
         if self._loop is not None:
@@ -201,75 +152,16 @@ class WorkerLink:
             self._authenticator.stop()
         self._ctx.term()
 
-    # ---- sending -----------------------------------------------------------------------------
+    # ---- identities (the rest: gateway.link.worker_identities) --------------------------------
 
-    # ---- identities ----------------------------------------------------------------------------
-
-    def expect_local(self, worker_id: str) -> None:
-        """A worker the supervisor spawns: its id is accepted on the ipc socket only."""
-        self._local_ids.add(worker_id)
-        self.last_seen[worker_id] = time.monotonic()
-
-    def bind_remote(self, worker_id: str, key: WorkerKey) -> None:
-        """A remote worker joined with this key: its id is accepted only over tcp, with this key."""
-        self._remote_keys[worker_id] = key.public_z85
-        self.last_seen[worker_id] = time.monotonic()
-
-    def dial(self, record: WorkerRecord) -> bool:
-        """Cluster mode: connect to a listening worker that joined the membership."""
-        assert self.dialer is not None
-        return self.dialer.connect(record)
-
-    def hang_up(self, worker_id: str) -> None:
-        """Cluster mode: the worker left the membership; no frame of its is admitted any more."""
-        if self.dialer is not None:
-            self.dialer.disconnect(worker_id)
-
-    def ping_dialed(self) -> None:
-        """Every listening worker hears from this gateway each heartbeat interval (else it cancels
-        our jobs); a worker not connected yet is skipped (its first Ping makes it introduce itself)."""
-        if self.dialer is None:
-            return
-        frame = wire.encode(wire.Ping())
-        for worker_id in self.dialer.worker_ids:
-            sent = cast(
-                "asyncio.Future[Any]",
-                self.dialer.sock.send_multipart([worker_id.encode(), frame], zmq.NOBLOCK),
-            )
-            # EHOSTUNREACH (not connected yet, or gone) is expected here; take it so it is not reported.
-            sent.add_done_callback(_take_exception)
-
+    # Here, not in the base: a worker forgotten leaves the link's own tables too (its last Step, its
+    # last job).
     def forget(self, worker_id: str) -> None:
         self._local_ids.discard(worker_id)
         self._remote_keys.pop(worker_id, None)
         self.last_seen.pop(worker_id, None)
         self.last_step_frame.pop(worker_id, None)
         self.last_job_sent.pop(worker_id, None)
-
-    def _admit(self, worker_id: str, remote: bool, public_z85: str | None) -> tuple[bool, WorkerKey | None]:
-        """Whether the frame may be handled, and (over tcp) the key it came with."""
-        if not remote:
-            if worker_id in self._local_ids:
-                self.last_seen[worker_id] = time.monotonic()
-                return True, None
-            self._refusals.warning("frame from unknown local worker %r dropped", worker_id)
-            return False, None
-        key = self.keys.lookup(public_z85) if self.keys is not None else None
-        if key is None:
-            self._refusals.warning("frame over tcp refused: %s is not authorized", key_label(public_z85))
-            return False, None
-        if worker_id in self._local_ids:
-            self._refusals.warning("key %r claimed the id of local worker %r; refused", key.name, worker_id)
-            return False, key
-        bound = self._remote_keys.get(worker_id)
-        if bound is not None and bound != key.public_z85:
-            self._refusals.warning(
-                "key %r claimed remote worker %r of another key; refused", key.name, worker_id
-            )
-            return False, key
-        if bound is not None:  # an unbound id is only trusted once membership lets it join
-            self.last_seen[worker_id] = time.monotonic()
-        return True, key
 
     # ---- sending -----------------------------------------------------------------------------
 
@@ -466,24 +358,6 @@ class WorkerLink:
             job = self._jobs.get(rid)
             if job is not None and job.worker_id == worker_id:
                 job.on_aborted(message)
-
-
-SocketT = TypeVar("SocketT", bound="zmq.Socket[Any]")
-
-
-def _configured(sock: SocketT) -> SocketT:
-    sock.setsockopt(zmq.MAXMSGSIZE, MAX_SOCKET_MESSAGE_BYTES)
-    sock.setsockopt(zmq.SNDHWM, 100_000)
-    sock.setsockopt(zmq.RCVHWM, 100_000)
-    # Fail loudly instead of silently dropping frames addressed to a worker that is gone.
-    sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-    sock.setsockopt(zmq.LINGER, 0)
-    return sock
-
-
-def _take_exception(future: asyncio.Future[Any]) -> None:
-    if not future.cancelled():
-        future.exception()
 
 
 def _unpack(frames: list[Any]) -> tuple[bytes, bytes, str | None]:
