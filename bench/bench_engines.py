@@ -31,7 +31,7 @@ sys.path.insert(0, str(REPO_ROOT))
 
 from bench.access_log import add_gateway_ttft  # noqa: E402
 from bench.cpu_placement import SiblingWatch, placed, split_cores, topology  # noqa: E402
-from bench.proc_cpu import cpu_seconds, run_seconds, thread_times, thread_usage  # noqa: E402
+from bench.proc_cpu import cpu_seconds, run_seconds, steal_seconds, thread_times, thread_usage  # noqa: E402
 from bench.profiling import Profiler  # noqa: E402
 from bench.streams import Round, engine_round, http_round, paired, raw_round, summarize  # noqa: E402
 from model_worker.engines.registry import create_engine  # noqa: E402
@@ -108,10 +108,18 @@ def process_threads(pid: int) -> int | None:
 
 
 def measured(run: Any, pid: int | None, gateway_pid: int | None = None) -> Round:
-    """One round, with what the threads of the process that drives the engine did meanwhile (the
-    worker's, or this process's on an in-process path: see proc_cpu.thread_usage); for a worker,
-    the CPU seconds it and the gateway used, and how often another busy thread ran on the physical
-    core of its engine thread."""
+    """One round, with the host's steal time meanwhile and what the threads of the process that
+    drives the engine did (the worker's, or this process's on an in-process path: see
+    proc_cpu.thread_usage); for a worker, the CPU seconds it and the gateway used, and how often
+    another busy thread ran on the physical core of its engine thread."""
+    steal_before = steal_seconds()
+    done = _measured(run, pid, gateway_pid)
+    host_cpu_s = done.seconds * (os.cpu_count() or 1)
+    done.host_steal_pct = round(100 * (steal_seconds() - steal_before) / host_cpu_s, 2)
+    return done
+
+
+def _measured(run: Any, pid: int | None, gateway_pid: int | None) -> Round:
     driver = pid or os.getpid()  # an in-process path runs the engine on this process's main thread
     threads_before = thread_times(driver)
     if not pid:
@@ -412,8 +420,8 @@ def thread_lines(rows: list[dict[str, Any]]) -> list[str]:
         return []
     lines = [
         "| path | streams | engine thread on a CPU % | waiting for a CPU % | sleeps per s | preempted per s "
-        "| other threads CPU % | other threads by name (last round) |",
-        "|---|---|---|---|---|---|---|---|",
+        "| other threads CPU % | host steal % | other threads by name (last round) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         t = r["threads"]
@@ -421,9 +429,14 @@ def thread_lines(rows: list[dict[str, Any]]) -> list[str]:
             f"| {r['path']} | {r['streams']} | {t.get('main_on_cpu_pct', '-')} "
             f"| {t.get('main_runqueue_pct', '-')} "
             f"| {t.get('main_sleeps_per_s', '-')} | {t.get('main_preempted_per_s', '-')} "
-            f"| {t.get('others_cpu_pct', '-')} | {t.get('others_by_name', '-')} |"
+            f"| {t.get('others_cpu_pct', '-')} | {_or_dash(r.get('host_steal_pct'))} "
+            f"| {t.get('others_by_name', '-')} |"
         )
     return [*lines, ""]
+
+
+def _or_dash(value: Any) -> str:
+    return "-" if value is None else str(value)
 
 
 def markdown(report: dict[str, Any]) -> str:

@@ -37,6 +37,13 @@ def run_seconds(pid: int) -> float:
     return total / 1e9
 
 
+def steal_seconds() -> float:
+    """CPU seconds the hypervisor ran something else while this host's CPUs wanted to run (steal),
+    summed over every core, from /proc/stat; 0 on bare metal."""
+    with open("/proc/stat") as stat:
+        return int(stat.readline().split()[8]) / TICK
+
+
 def busy_seconds() -> float:
     """CPU seconds spent by the whole machine (every core, not idle or iowait), from /proc/stat."""
     with open("/proc/stat") as stat:

@@ -57,6 +57,7 @@ class Round:
     # what the threads of the process driving the engine did meanwhile (proc_cpu.thread_usage)
     threads: dict[str, Any] | None = None
     round_id: str | None = None  # HTTP rounds: the prefix of its requests' X-Request-ID
+    host_steal_pct: float | None = None  # share of the host's CPU time taken by its hypervisor meanwhile
 
     @property
     def seconds(self) -> float:
@@ -234,6 +235,7 @@ def summarize(rounds: list[Round]) -> dict[str, Any]:
     gaps = [g for s in streams for g in s.gaps]
     steps = [t for r in rounds for t in r.step_seconds]
     totals = [r.tok_s for r in rounds]
+    steal = [r.host_steal_pct for r in rounds if r.host_steal_pct is not None]
     tokens = sum(s.tokens for s in streams)
     client_cpu = sum(r.client_cpu_s for r in rounds)
     mean_gap = sum(gaps) / len(gaps) if gaps else 0.0
@@ -256,6 +258,11 @@ def summarize(rounds: list[Round]) -> dict[str, Any]:
         "step_ms_p50": 1000 * percentile(steps, 0.5) if steps else None,
         "step_ms_p99": 1000 * percentile(steps, 0.99) if steps else None,
         "tokens": tokens,
+        # Each round's rate, and the host's steal time in it: a slow round on a virtual machine
+        # may be the hypervisor's doing, not the path's.
+        "tok_s_rounds": [round(t, 1) for t in totals],
+        "host_steal_pct": percentile(steal, 0.5) if steal else None,
+        "host_steal_pct_rounds": steal,
         "client_cpu_us_per_token": round(1e6 * client_cpu / tokens, 1) if client_cpu else None,
         "tokens_per_chunk": round(tokens / sum(r.chunks for r in rounds), 3)
         if any(r.chunks for r in rounds)

@@ -48,6 +48,7 @@ def test_a_gateway_round_records_the_gateway_cpu_per_token(two_model_gateway: Ga
                     two_model_gateway.pid)  # fmt: skip
     assert done.gateway_cpu_s is not None and done.gateway_cpu_s > 0
     assert done.worker_cpu_s is not None and done.worker_cpu_s >= 0
+    assert done.host_steal_pct is not None and 0 <= done.host_steal_pct <= 100
     # The worker's own threads, by the names it gives them, beside its engine (main) thread.
     assert done.threads is not None and done.threads["main_on_cpu_pct"] > 0, done.threads
     assert "worker-link" in done.threads["others_by_name"], done.threads
@@ -62,9 +63,16 @@ def test_the_summary_reports_the_median_and_the_spread_of_rounds() -> None:
         stream = Stream(0.0, [(i + 1) / tokens_per_s for i in range(10)])
         return Round([stream])
 
-    summary = summarize([round_of(100.0), round_of(300.0), round_of(200.0)])
+    rounds = [round_of(100.0), round_of(300.0), round_of(200.0)]
+    summary = summarize(rounds)
     assert (summary["tok_s_total_min"], summary["tok_s_total"], summary["tok_s_total_max"]) == (
         100.0, 200.0, 300.0)  # fmt: skip
+    assert summary["tok_s_rounds"] == [100.0, 300.0, 200.0]
+    assert summary["host_steal_pct"] is None  # no round measured it
+    for done, steal in zip(rounds, [4.0, 0.5, 1.0], strict=True):
+        done.host_steal_pct = steal
+    summary = summarize(rounds)
+    assert (summary["host_steal_pct"], summary["host_steal_pct_rounds"]) == (1.0, [4.0, 0.5, 1.0])
 
 
 def test_paired_ratios_divide_each_round_by_the_raw_round_of_its_turn() -> None:
