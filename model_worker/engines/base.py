@@ -153,6 +153,17 @@ class Embeds(Protocol):
         """One vector per input."""
 
 
+@runtime_checkable
+class WarmsBatches(Protocol):
+    def warmup_batches(self) -> list[int]:
+        """Batch sizes the warm-up runs once each, every job at once, ascending; the last is the
+        largest batch the engine runs. A library that compiles kernels or captures CUDA graphs per
+        batch size pays for it there, not in front of the first concurrent requests."""
+
+    def prefill_chunk_tokens(self) -> int:
+        """Prompt tokens one step prefills at most: the largest warm-up batch fills more."""
+
+
 # Request parameters that only an engine with the capability can honour.
 CAPABILITY_OF_PARAMETER: dict[str, type] = {"prompt_logprobs": ScoresPrompts}
 

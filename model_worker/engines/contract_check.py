@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from model_worker.engines.base import Embeds, Engine, PreparesConstraints, ScoresPrompts
+    from model_worker.engines.base import Embeds, Engine, PreparesConstraints, ScoresPrompts, WarmsBatches
     from model_worker.engines.exllamav2.engine import ExLlamaV2Engine
     from model_worker.engines.exllamav3.engine import ExLlamaV3Engine
     from model_worker.engines.transformers.embedding import EmbeddingEngine
@@ -24,4 +24,5 @@ if TYPE_CHECKING:
         scorers: list[ScoresPrompts] = [v2, hf, embedder]
         preparers: list[PreparesConstraints] = [v2, hf]
         embedders: list[Embeds] = [embedder]
-        del generators, scorers, preparers, embedders
+        batch_warmers: list[WarmsBatches] = [v2, v3]
+        del generators, scorers, preparers, embedders, batch_warmers

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from model_worker.devices import gpu_memory_used_bytes
 from model_worker.engines.base import RequestRejected, TextCodec
@@ -53,6 +53,9 @@ class LibraryCodec:
 class DynamicGeneratorEngine:
     """The shared half of ExLlamaV2Engine and ExLlamaV3Engine; not an engine on its own."""
 
+    # Batch sizes for which the library builds something of its own the first time it steps one.
+    SHAPED_BATCH_SIZES: ClassVar[range] = range(0)
+
     def __init__(self, path: str, max_seq_len: int, settings: Any) -> None:
         self.path = path
         self.max_seq_len = max_seq_len
@@ -74,6 +77,17 @@ class DynamicGeneratorEngine:
         self._jobs_per_step = 0.0
         self._counters = {"steps": 0, "tokens": 0, "finished": 0, "cancelled": 0}
         self._texts = TokenTexts(self.decode)
+
+    def warmup_batches(self) -> list[int]:
+        """Those of `SHAPED_BATCH_SIZES` below the largest batch, then the largest batch, whose
+        prompts the warm-up makes fill more than one prefill chunk."""
+        largest = self.settings.max_batch_size
+        if largest < 2:
+            return []
+        return [*(size for size in self.SHAPED_BATCH_SIZES if 1 < size < largest), largest]
+
+    def prefill_chunk_tokens(self) -> int:
+        return int(self.settings.max_chunk_size)
 
     # ---- hooks for each engine -------------------------------------------------------------------
 

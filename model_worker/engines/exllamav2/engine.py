@@ -50,6 +50,9 @@ class ExLlamaV2Engine(DynamicGeneratorEngine):
         self._supports_logit_bias = False
         self._json_data: Any = None  # lm-format-enforcer's tokenizer data, built for the first JSON job
 
+    def warmup_batches(self) -> list[int]:
+        return super().warmup_batches() if self.paged else []  # unpaged: one job at a time
+
     # ---- loading -------------------------------------------------------------------------------
 
     def load(self, progress: ProgressCallback) -> None:
