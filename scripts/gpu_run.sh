@@ -163,7 +163,7 @@ two_gpu_tests=(tests/gpu/test_mixed_registry.py tests/gpu/test_gateway_gpu.py::t
                tests/gpu/test_gateway_gpu.py::test_exllamav3_over_two_gpus)
 for stage in $stages; do
     case $stage in
-        tests) run_pytest tests 420 tests/gpu --ignore tests/gpu/test_mixed_registry.py \
+        tests) run_pytest tests 540 tests/gpu --ignore tests/gpu/test_mixed_registry.py \
                    --ignore tests/gpu/test_real_model_gpu.py ;;
         real-model) real_model ;;
         quant-bench)  # QUANT_PRESET (default 1b; llama3-8b if its conversions fit a run) at 4 bpw, benchmarked
