@@ -2,12 +2,14 @@
 
 Runs in the gateway process. Owns the shutdown sequence: on SIGTERM/SIGINT new requests get 503
 (the service is draining), in-flight requests get `shutdown_grace_s` to finish, then Hypercorn
-stops and `after_serving` stops every worker. The process exits 0.
+stops and `after_serving` stops every worker. The process exits 0. Once started, the heap that
+start-up built is frozen out of the garbage collector's full passes.
 """
 
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import signal
 import time
@@ -47,6 +49,14 @@ async def _drain(gateway: Gateway, grace_s: float) -> None:
             await asyncio.sleep(0.02)
 
 
+async def freeze_startup_heap() -> None:
+    """What start-up built lives as long as the process: move it out of the collector's reach.
+    Otherwise every full collection walks those ~85,000 objects again (about 50 ms on a small VM,
+    with the event loop stopped), and a burst of requests set one off every few hundred requests."""
+    gc.collect()
+    gc.freeze()
+
+
 async def run_server(registry: Registry, host: str, port: int) -> None:
     server = registry.server
     fd_limit = raise_fd_limit()
@@ -57,6 +67,7 @@ async def run_server(registry: Registry, host: str, port: int) -> None:
     app = create_app(registry)
     app.extensions["http_connections"] = listener.stats
     gateway: Gateway = app.extensions["gateway"]
+    app.before_serving(freeze_startup_heap)  # registered after create_app's own, so it runs after it
     install_prompt_close()
     config = CappedConfig()
     config.listener = listener
