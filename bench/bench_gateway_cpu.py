@@ -20,13 +20,18 @@ by side, each with its own worker, and at each level of `--cpu-levels` their bur
 ratio. Gateway CPU there is read from /proc/<pid>/task/*/schedstat (nanoseconds on a CPU, every
 thread), precise enough for one stream; utime and stime (10 ms ticks) are kept beside it.
 
+`--request-levels 64` adds, in each round, bursts of 1-token streamed requests that many at a
+time, and the gateway's CPU per request, this tree against the other, the same way.
+
     python bench/bench_gateway_cpu.py --model-preset medium --tokens 256 --repeats 5 --out bench/results
     python bench/bench_gateway_cpu.py --compare /tmp/before --rounds 5 --cpu-levels 1,8,32
+    python bench/bench_gateway_cpu.py --compare /tmp/before --rounds 8 --cpu-levels 32 --request-levels 64
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import platform
@@ -339,9 +344,44 @@ def cpu_burst(url: str, pid: int, streams: int, tokens: int, requests: int = 1) 
     }
 
 
+def request_burst(url: str, pid: int, concurrency: int, requests: int) -> dict[str, float]:
+    """`requests` streamed 1-token completions, `concurrency` at a time on kept-alive connections,
+    from one asyncio client (threads of a sync client would take the cores the gateway needs): the
+    gateway's CPU per request (parsing, routing, admission, the worker's round trip, the access
+    line), which sets how long a burst of new requests queues before its first tokens."""
+    import aiohttp
+
+    body = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 1, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}  # fmt: skip
+    per_client = -(-requests // concurrency)
+
+    async def client(session: aiohttp.ClientSession) -> None:
+        for _ in range(per_client):
+            async with session.post("/v1/completions", json=body) as response:
+                text = await response.text()
+                if response.status != 200 or not text.rstrip().endswith("data: [DONE]"):
+                    raise RuntimeError(f"HTTP {response.status}: {text[:300]}")
+
+    async def connect(session: aiohttp.ClientSession) -> None:
+        async with session.get("/v1/models") as response:  # opens one kept-alive connection
+            await response.read()
+
+    async def burst() -> tuple[float, float, float]:
+        connector = aiohttp.TCPConnector(limit=concurrency)
+        async with aiohttp.ClientSession(url, connector=connector) as session:
+            await asyncio.gather(*(connect(session) for _ in range(concurrency)))
+            run0, busy0, wall0 = run_seconds(pid), busy_seconds(), time.perf_counter()
+            await asyncio.gather(*(client(session) for _ in range(concurrency)))
+            return run_seconds(pid) - run0, busy_seconds() - busy0, time.perf_counter() - wall0
+
+    used, busy, wall = asyncio.run(burst())
+    done = per_client * concurrency
+    return {"us_per_request": 1e6 * used / done, "requests": done, "rest_cores": (busy - used) / wall}
+
+
 def compare_checkouts(model_dir: Path, work: Path, args: argparse.Namespace) -> dict[str, Any]:
-    levels = [int(c) for c in args.cpu_levels.split(",")]
-    streams = max(levels)
+    levels = [int(c) for c in args.cpu_levels.split(",") if c]
+    streams = max(levels, default=8)
     settings = {"threads": 1, "max_batch_size": streams, "max_chunk_size": 2048}
     entry = {"name": MODEL_NAME, "engine": "transformers", "path": str(model_dir), "max_seq_len": 2048,
              "engine_settings": settings,
@@ -353,6 +393,10 @@ def compare_checkouts(model_dir: Path, work: Path, args: argparse.Namespace) -> 
     envs = {"this": {"PYTHONPATH": str(REPO_ROOT), "PYTHONSAFEPATH": "1"},
             "compare": {"PYTHONPATH": str(other), "PYTHONSAFEPATH": "1"}}  # fmt: skip
     rows: dict[str, dict[int, list[dict[str, float]]]] = {n: {c: [] for c in levels} for n in envs}
+    request_levels = [int(c) for c in args.request_levels.split(",") if c]
+    request_rows: dict[str, dict[int, list[dict[str, float]]]] = {
+        n: {c: [] for c in request_levels} for n in envs
+    }
     with (
         GatewayProcess(config, env=envs["this"], ready_timeout=300, log_path=work / "this.log") as this,
         GatewayProcess(config, env=envs["compare"], ready_timeout=300, log_path=work / "compare.log") as cmp,
@@ -376,8 +420,19 @@ def compare_checkouts(model_dir: Path, work: Path, args: argparse.Namespace) -> 
                     print(f"round {round_no} streams {count:>3} {name:>7}: {result['us_per_token']:.1f} "
                           f"us/token (user {user:.1f}, sys {system:.1f}), {result['chunks']} chunks / "
                           f"{result['tokens']} tokens", flush=True)  # fmt: skip
+            for count in request_levels:
+                order = ["this", "compare"] if round_no % 2 == 0 else ["compare", "this"]
+                for name in order:
+                    gw = gateways[name]
+                    result = request_burst(gw.url, gw.pid, count, args.burst_requests)
+                    result["round"], result["started"] = round_no, time.time()
+                    request_rows[name][count].append(result)
+                    print(f"round {round_no} requests {count:>3} at once {name:>7}: "
+                          f"{result['us_per_request']:.0f} us/request", flush=True)  # fmt: skip
     commit = {name: _commit(path) for name, path in (("this", REPO_ROOT), ("compare", other))}
-    return {"levels": levels, "rounds": rows, "commits": commit, "cpu_tokens": args.cpu_tokens}
+    return {"levels": levels, "rounds": rows, "commits": commit, "cpu_tokens": args.cpu_tokens,
+            "request_levels": request_levels, "request_rounds": request_rows,
+            "burst_requests": args.burst_requests, "rounds_run": args.rounds}  # fmt: skip
 
 
 def _commit(path: Path) -> str:
@@ -403,7 +458,7 @@ def compare_markdown(report: dict[str, Any]) -> str:
         f"torch {env['torch']} | transformers {env['transformers']}",
         f"demo model `{env['preset']}`, greedy, ignore_eos, /v1/completions streams with include_usage; "
         f"about {report['cpu_tokens']} tokens per burst; this = {commits['this']}, compare = "
-        f"{commits['compare']}; {len(rows['this'][report['levels'][0]])} rounds, bursts alternating",
+        f"{commits['compare']}; {report['rounds_run']} rounds, bursts alternating",
         "",
         "| streams | this µs/token (min-max) | user / sys | compare µs/token (min-max) | user / sys | "
         "this ÷ compare, paired (min-max) | rounds lower | chunks = tokens | rest of host (cores) |",
@@ -425,6 +480,26 @@ def compare_markdown(report: dict[str, Any]) -> str:
             f"{spread([r['us_per_token'] for r in theirs])} | {parts(theirs)} | "
             f"{statistics.median(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f}) | "
             f"{lower} of {len(ratios)} | {one_per_chunk} | {min(rest):.2f}-{max(rest):.2f} |"
+        )
+    if report.get("request_levels"):
+        lines += [
+            "",
+            f"Per request: {report['burst_requests']} streamed completions of one token per burst "
+            "(max_tokens 1, include_usage), the given number at a time on kept-alive connections.",
+            "",
+            "| at once | this µs/request (min-max) | compare µs/request (min-max) | "
+            "this ÷ compare, paired (min-max) | rounds lower | rest of host (cores) |",
+            "|---|---|---|---|---|---|",
+        ]
+    for count in report.get("request_levels", []):
+        mine, theirs = report["request_rounds"]["this"][count], report["request_rounds"]["compare"][count]
+        ratios = [a["us_per_request"] / b["us_per_request"] for a, b in zip(mine, theirs, strict=True)]
+        rest = [r["rest_cores"] for r in mine + theirs]
+        lines.append(
+            f"| {count} | {spread([r['us_per_request'] for r in mine])} | "
+            f"{spread([r['us_per_request'] for r in theirs])} | "
+            f"{statistics.median(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f}) | "
+            f"{sum(r < 1 for r in ratios)} of {len(ratios)} | {min(rest):.2f}-{max(rest):.2f} |"
         )
     return "\n".join(lines)
 
@@ -450,6 +525,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cpu-levels", default="1,8,32", help="with --compare: concurrent streams per burst")
     parser.add_argument(
         "--cpu-tokens", type=int, default=4096, help="with --compare: tokens per burst, all streams"
+    )
+    parser.add_argument(
+        "--request-levels",
+        default="",
+        help="with --compare: also CPU per 1-token request, this many at a time (e.g. 64)",
+    )
+    parser.add_argument(
+        "--burst-requests", type=int, default=384, help="with --request-levels: requests per burst"
     )
     args = parser.parse_args(argv)
 
