@@ -16,6 +16,7 @@ markdown table with the targets and a JSON file (device, date, versions, every f
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
@@ -173,6 +174,11 @@ def run_overhead(args: argparse.Namespace, report: dict[str, Any]) -> None:
     default_threads = torch.get_num_threads()
     engine = create_engine(args.engine, args.model, args.max_seq_len, settings(args))
     engine.load(lambda detail, progress: None)
+    # As a worker does once its model is loaded (model_worker.serve_loop): full collections then
+    # skip the model's objects on both paths alike.
+    gc.collect()
+    gc.freeze()
+    report["settings"]["raw_heap_frozen"] = True
     report["info"] = {k: v for k, v in as_dict(engine.info()).items() if k != "devices"}
     traces = {
         name: StepTrace(str(args.out_dir / f"trace-{args.engine}-{name}.jsonl")) if args.trace else None
