@@ -27,6 +27,7 @@ from typing import Any
 from gateway.config.registry import ConfigError, Registry, load_registry
 from gateway.core import Gateway
 from gateway.errors import Conflict
+from gateway.heap import refreeze_after_reload
 from gateway.workers.reload_plan import worker_changes
 from wire.states import WorkerState
 
@@ -140,6 +141,7 @@ class Reloads:
             record.requests_ended = int(result["requests_ended"])
             self.on_applied(self.gateway.registry)
             record.state = "applied"
+            refreeze_after_reload()
         except Exception as exc:  # logged and shown in the record; the gateway keeps serving
             logger.exception("reload %d failed", record.id)
             record.state, record.error = "failed", f"{type(exc).__name__}: {exc}"

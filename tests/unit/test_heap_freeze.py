@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from gateway.server import freeze_startup_heap
+from gateway.heap import freeze_startup_heap, refreeze_after_reload
 from model_worker.serve_loop import Worker
 
 
@@ -43,6 +43,23 @@ def test_the_gateway_freezes_what_start_up_built() -> None:
     assert gc.get_freeze_count() > 0
     # A full collection no longer visits it.
     assert not any(obj is built_at_start_up for obj in gc.get_objects(generation=2))
+
+
+def test_a_reload_collects_what_it_left_behind_and_freezes_the_rest() -> None:
+    old_model = Model()
+    gone = weakref.ref(old_model)
+    asyncio.run(freeze_startup_heap())
+    del old_model  # the reload dropped it, but its cycle was frozen
+    gc.collect()
+    assert gone() is not None  # so a collection alone never frees it
+    refreeze_after_reload()
+    assert gone() is None
+    assert gc.get_freeze_count() > 0
+
+
+def test_refreezing_leaves_a_heap_that_was_never_frozen_alone() -> None:
+    refreeze_after_reload()
+    assert gc.get_freeze_count() == 0
 
 
 def test_an_unloaded_model_is_collected_although_it_was_frozen() -> None:
