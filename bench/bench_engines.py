@@ -123,19 +123,18 @@ def measured(run: Any, pid: int | None, gateway_pid: int | None = None) -> Round
 def _measured(run: Any, pid: int | None, gateway_pid: int | None) -> Round:
     driver = pid or os.getpid()  # an in-process path runs the engine on this process's main thread
     threads_before = thread_times(driver)
-    if not pid:
-        done = run()
-        done.threads = thread_usage(driver, threads_before, thread_times(driver), done.seconds)
-        return done
-    before, gateway_before = cpu_seconds(pid), run_seconds(gateway_pid) if gateway_pid else 0.0
-    others = [pid, os.getpid(), *([gateway_pid] if gateway_pid else [])]
-    with SiblingWatch((pid, pid), others) as watch:
+    others = [driver, *([os.getpid()] if pid else []), *([gateway_pid] if gateway_pid else [])]
+    before = cpu_seconds(pid) if pid else 0.0
+    gateway_before = run_seconds(gateway_pid) if gateway_pid else 0.0
+    with SiblingWatch((driver, driver), others) as watch:
         done = run()
     done.threads = thread_usage(driver, threads_before, thread_times(driver), done.seconds)
-    done.worker_cpu_s = cpu_seconds(pid) - before
-    if gateway_pid:
-        done.gateway_cpu_s = run_seconds(gateway_pid) - gateway_before
+    done.engine_cpu = watch.main_cpu
     done.engine_core_shared = watch.shared_fraction
+    if pid:
+        done.worker_cpu_s = cpu_seconds(pid) - before
+        if gateway_pid:
+            done.gateway_cpu_s = run_seconds(gateway_pid) - gateway_before
     return done
 
 
@@ -155,11 +154,12 @@ def thread_summary(done: list[Round]) -> dict[str, Any]:
     return {"threads": summary}
 
 
-def pinned(run: Any, placement: dict[int, set[int]]) -> Any:
-    """The round with each process's threads held to its CPUs (bench/cpu_placement.py)."""
+def pinned(run: Any, placement: dict[int, set[int]], engine_thread: tuple[int, int], own: set[int]) -> Any:
+    """The round with each process's threads held to its CPUs, and the engine thread alone on
+    its own (bench/cpu_placement.py)."""
 
     def round_() -> Round:
-        with placed(placement):
+        with placed(placement, {engine_thread: own}):
             return run()
 
     return round_
@@ -226,12 +226,11 @@ def run_overhead(args: argparse.Namespace, report: dict[str, Any]) -> None:
                 "engine": (partial(engine_round, engine, ids, args.new_tokens, traces["engine"]), None),
                 "gateway": (partial(http_round, gw.url, "m", texts, args.new_tokens, None), pids.get("m")),
             }
-            if args.pin:  # the engine's thread alone on one physical core; client and gateway elsewhere
-                run["raw, pinned"] = (pinned(run["raw"][0], {me: own, gw.pid: rest, worker: rest}), None)
-                run["gateway, pinned"] = (
-                    pinned(run["gateway"][0], {worker: own, gw.pid: rest, me: rest}),
-                    worker,
-                )
+            if args.pin:  # both engine threads on the same core of their own; every other thread elsewhere
+                everyone_else = {me: rest, gw.pid: rest, worker: rest}
+                run["raw, pinned"] = (pinned(run["raw"][0], everyone_else, (me, me), own), None)
+                gateway_pinned = pinned(run["gateway"][0], everyone_else, (worker, worker), own)
+                run["gateway, pinned"] = (gateway_pinned, worker)
             if args.compare_threads:
                 run["raw, torch threads"] = (partial(raw, ids, default_threads), None)
                 run["gateway, torch threads"] = (
@@ -273,6 +272,9 @@ def run_overhead(args: argparse.Namespace, report: dict[str, Any]) -> None:
                 shared = [r.engine_core_shared for r in done if r.engine_core_shared is not None]
                 if shared:
                     row["engine_core_shared"] = round(sum(shared) / len(shared), 3)
+                # Per round: the CPU the engine thread ran on most, and its share of the samples
+                # (the host's cores need not run at one speed).
+                row["engine_cpu_rounds"] = [r.engine_cpu for r in done]
                 row["round_ids"] = [r.round_id for r in done if r.round_id is not None]
                 report["rows"].append(row)
             args.save()  # after each level: a run cut short keeps what it measured
@@ -350,7 +352,18 @@ def _ratio(raw: dict[str, Any], gw: dict[str, Any]) -> tuple[float, str]:
         return of_medians, f"{of_medians:.3f}"
     ratio = gw["paired_ratio"]
     spread = f"{gw['paired_ratio_min']:.3f}-{gw['paired_ratio_max']:.3f}"
-    return ratio, f"{ratio:.3f} (turns {spread}; ratio of medians {of_medians:.3f})"
+    return (
+        ratio,
+        f"{ratio:.3f} (turns {spread}{_interval(gw.get('paired_ratio_ci95'), '.3f', '-')}; "
+        f"ratio of medians {of_medians:.3f})",
+    )
+
+
+def _interval(bounds: list[float] | None, fmt: str, sep: str) -> str:
+    """'; median within A-B (95 %)': how far the turns place the median (bench.streams.median_interval)."""
+    if not bounds:
+        return ""
+    return f"; median within {bounds[0]:{fmt}}{sep}{bounds[1]:{fmt}} (95 %)"
 
 
 def _ttft_added(raw: dict[str, Any], gw: dict[str, Any]) -> tuple[float, str]:
@@ -359,7 +372,8 @@ def _ttft_added(raw: dict[str, Any], gw: dict[str, Any]) -> tuple[float, str]:
         return of_medians, f"{of_medians:+.1f} ms"
     added = gw["paired_ttft_added_ms"]
     spread = f"{gw['paired_ttft_added_ms_min']:+.1f} to {gw['paired_ttft_added_ms_max']:+.1f}"
-    return added, f"{added:+.1f} ms (turns {spread}; of medians {of_medians:+.1f})"
+    within = _interval(gw.get("paired_ttft_added_ms_ci95"), "+.1f", " to ")
+    return added, f"{added:+.1f} ms (turns {spread}{within}; of medians {of_medians:+.1f})"
 
 
 def targets(rows: list[dict[str, Any]]) -> list[tuple[str, str, bool]]:
@@ -441,6 +455,22 @@ def thread_lines(rows: list[dict[str, Any]]) -> list[str]:
     return [*lines, ""]
 
 
+def cpu_round_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """Each round's rate beside the CPU its engine thread ran on most (and the share of the
+    samples it ran there): whether one path's rounds were fast or slow by the core they got."""
+    rows = [r for r in rows if r.get("engine_cpu_rounds") and r.get("tok_s_rounds")]
+    if not rows:
+        return []
+    lines = ["| path | streams | tok/s of each round @ the engine thread's CPU (share) |", "|---|---|---|"]
+    for r in rows:
+        cells = [
+            f"{rate:.0f} @ {cpu[0]} ({cpu[1]:.2f})" if cpu else f"{rate:.0f} @ -"
+            for rate, cpu in zip(r["tok_s_rounds"], r["engine_cpu_rounds"], strict=False)
+        ]
+        lines.append(f"| {r['path']} | {r['streams']} | {', '.join(cells)} |")
+    return [*lines, ""]
+
+
 def _or_dash(value: Any) -> str:
     return "-" if value is None else str(value)
 
@@ -456,6 +486,7 @@ def markdown(report: dict[str, Any]) -> str:
         *(row_line(r) for r in report["rows"] + report["logprobs"]),
         "",
         *thread_lines(report["rows"]),
+        *cpu_round_lines(report["rows"]),
         "| target | measured | met |",
         "|---|---|---|",
     ]
@@ -537,7 +568,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--pin",
         action="store_true",
-        help="also raw and gateway rounds with the engine's thread pinned to one physical core of its own",
+        help="also raw and gateway rounds with the engine's thread pinned to one physical core of its own "
+        "(the same core on both paths) and every other thread of the benchmark, gateway and worker elsewhere",
     )
     parser.add_argument(
         "--split",

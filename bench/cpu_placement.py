@@ -1,9 +1,9 @@
 """CPU placement for the GPU benchmark: which cores the worker, the gateway and the client run on.
 
 Imported by bench/bench_engines.py (a standalone benchmark process on a GPU host). Owns the host's
-core topology (SMT siblings), pinning every thread of a process to a set of CPUs, and a sampler
-that watches, while a round runs, whether another busy thread shares the physical core of the
-worker's engine thread. An exllama step beyond a batch of 8 is CPU-bound Python, so a sibling
+core topology (SMT siblings), pinning the threads of a process (or one of them) to a set of CPUs, and
+a sampler that watches, while a round runs, which CPUs the engine thread ran on and whether another
+busy thread shared its physical core. An exllama step beyond a batch of 8 is CPU-bound Python, so a sibling
 hyperthread busy with the client or the gateway slows every step of that round.
 """
 
@@ -76,11 +76,19 @@ def pin(pid: int, cpus: Iterable[int]) -> None:
 
 
 @contextmanager
-def placed(placement: dict[int, set[int]]) -> Iterator[None]:
-    """Pin each pid's threads to its CPUs for the block; then every thread may run anywhere again."""
+def placed(
+    placement: dict[int, set[int]], threads: dict[tuple[int, int], set[int]] | None = None
+) -> Iterator[None]:
+    """Pin each pid's threads to its CPUs for the block, then each (pid, tid) of `threads` to its
+    own; afterwards every thread may run anywhere again."""
     everywhere = set(physical_cores())
     for pid, cpus in placement.items():
         pin(pid, cpus)
+    for (_pid, tid), cpus in (threads or {}).items():
+        try:
+            os.sched_setaffinity(tid, cpus)
+        except OSError:  # the thread ended meanwhile
+            pass
     try:
         yield
     finally:
@@ -102,6 +110,7 @@ class SiblingWatch:
         self._process: subprocess.Popen[str] | None = None
         self.samples = 0
         self.shared = 0
+        self.cpus: dict[int, int] = {}  # CPU -> samples in which the engine thread ran there
 
     def __enter__(self) -> SiblingWatch:
         self._process = subprocess.Popen(
@@ -112,18 +121,29 @@ class SiblingWatch:
     def __exit__(self, *exc: object) -> None:
         assert self._process is not None
         out, _ = self._process.communicate("", timeout=30)  # its stdin closes: it reports and ends
-        self.samples, self.shared = (int(n) for n in out.split())
+        samples, shared, *cpus = out.split()
+        self.samples, self.shared = int(samples), int(shared)
+        self.cpus = {int(cpu): int(count) for cpu, count in (item.split(":") for item in cpus)}
 
     @property
     def shared_fraction(self) -> float | None:
         return round(self.shared / self.samples, 3) if self.samples else None
 
+    @property
+    def main_cpu(self) -> tuple[int, float] | None:
+        """The CPU the engine thread ran on most, and the share of the samples it ran there."""
+        if not self.samples:
+            return None
+        cpu, count = max(self.cpus.items(), key=lambda item: item[1])
+        return cpu, round(count / self.samples, 3)
+
 
 def _watch(
     engine: tuple[int, int], others: list[int], stop: threading.Event, min_samples: int
-) -> tuple[int, int]:
+) -> tuple[int, int, dict[int, int]]:
     cores = physical_cores()
     samples = shared = 0
+    cpus: dict[int, int] = {}
     deadline: float | None = None
     while not stop.wait(0.02) or samples < min_samples:
         if stop.is_set():  # stop.wait() no longer paces the samples
@@ -135,11 +155,12 @@ def _watch(
         if cpu is None:
             continue
         samples += 1
+        cpus[cpu] = cpus.get(cpu, 0) + 1
         core = cores.get(cpu)
         running = (_running_cpu(pid, tid) for pid in others for tid in _threads(pid) if (pid, tid) != engine)
         if any(other is not None and cores.get(other) == core for other in running):
             shared += 1
-    return samples, shared
+    return samples, shared, cpus
 
 
 def _running_cpu(pid: int, tid: int) -> int | None:
@@ -160,4 +181,5 @@ if __name__ == "__main__":  # the sampler process: ENGINE_PID ENGINE_TID OTHER_P
 
     threading.Thread(target=stop_at_end_of_input, daemon=True).start()
     pid, tid, min_samples, *rest = (int(arg) for arg in sys.argv[1:])
-    print(*_watch((pid, tid), rest, stop, min_samples))
+    samples, shared, cpus = _watch((pid, tid), rest, stop, min_samples)
+    print(samples, shared, *(f"{cpu}:{count}" for cpu, count in sorted(cpus.items())))

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -54,6 +55,7 @@ class Round:
     gateway_cpu_s: float | None = None  # gateway rounds: CPU time of the gateway process meanwhile
     # gateway rounds: share of samples in which another busy thread ran on the engine thread's core
     engine_core_shared: float | None = None
+    engine_cpu: tuple[int, float] | None = None  # the CPU the engine thread ran on most, and its share
     # what the threads of the process driving the engine did meanwhile (proc_cpu.thread_usage)
     threads: dict[str, Any] | None = None
     round_id: str | None = None  # HTTP rounds: the prefix of its requests' X-Request-ID
@@ -223,10 +225,25 @@ def paired(rounds: list[Round], raw: list[Round]) -> dict[str, Any]:
         "paired_ratio": ratios[len(ratios) // 2],
         "paired_ratio_min": ratios[0],
         "paired_ratio_max": ratios[-1],
+        "paired_ratio_ci95": median_interval(ratios),
         "paired_ttft_added_ms": added[len(added) // 2],
         "paired_ttft_added_ms_min": added[0],
         "paired_ttft_added_ms_max": added[-1],
+        "paired_ttft_added_ms_ci95": median_interval(added),
     }
+
+
+def median_interval(values: list[float], level: float = 0.95) -> list[float] | None:
+    """A distribution-free confidence interval for the median: the narrowest pair of order
+    statistics x(k), x(n+1-k) that holds the true median with at least `level` probability
+    (the count of values below it is Binomial(n, 1/2)). None for fewer than 6 values, which
+    cannot reach 95 %: the spread is all such a run can say."""
+    ordered, n = sorted(values), len(values)
+    for k in range(n // 2, 0, -1):
+        coverage = sum(math.comb(n, i) for i in range(k, n - k + 1)) / 2**n
+        if coverage >= level:
+            return [ordered[k - 1], ordered[n - k]]
+    return None
 
 
 def summarize(rounds: list[Round]) -> dict[str, Any]:

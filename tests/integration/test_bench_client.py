@@ -7,6 +7,7 @@ bench/bench_engines.py points at our gateway and at any peer server (--peer).
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -14,7 +15,7 @@ import sys
 import pytest
 
 from bench.cpu_placement import SiblingWatch, physical_cores, placed
-from bench.streams import Round, Stream, http_round, paired, summarize
+from bench.streams import Round, Stream, http_round, median_interval, paired, summarize
 from tests.harness import GatewayProcess, wait_until
 
 
@@ -92,6 +93,18 @@ def test_paired_ratios_divide_each_round_by_the_raw_round_of_its_turn() -> None:
     assert result["paired_ttft_added_ms"] == pytest.approx(10 / 19)
     assert result["paired_ttft_added_ms_min"] == pytest.approx(5 / 19)
     assert result["paired_ttft_added_ms_max"] == pytest.approx(20 / 19)
+    # Three turns cannot place the median with 95 % confidence; the report then gives none.
+    assert result["paired_ratio_ci95"] is None and result["paired_ttft_added_ms_ci95"] is None
+
+
+def test_the_median_interval_is_the_order_statistics_of_the_binomial() -> None:
+    """95 % for the median: x(2)..x(8) of 9 (coverage 0.961; x(3)..x(7) would be 0.820) and the
+    textbook x(8)..x(18) of 25; the order of the values does not matter."""
+    nine = [9.0, 1.0, 8.0, 2.0, 7.0, 3.0, 6.0, 4.0, 5.0]
+    assert median_interval(nine) == [2.0, 8.0]
+    assert median_interval([float(v) for v in range(25, 0, -1)]) == [8.0, 18.0]
+    assert median_interval([1.0, 2.0, 3.0, 4.0, 5.0]) is None  # 30/32 = 0.9375 at best
+    assert median_interval([float(v) for v in range(6)]) == [0.0, 5.0]  # 62/64 = 0.969
 
 
 def test_the_sibling_watch_sees_two_busy_processes_on_one_core() -> None:
@@ -108,6 +121,7 @@ def test_the_sibling_watch_sees_two_busy_processes_on_one_core() -> None:
                 pass
         assert together.samples > 0 and together.shared_fraction is not None
         assert together.shared_fraction > 0.5
+        assert set(together.cpus) == {first} and together.main_cpu == (first, 1.0)
         if elsewhere:  # a host of one core cannot hold them apart
             with placed({engine.pid: {first}, other.pid: elsewhere}):
                 with SiblingWatch((engine.pid, engine.pid), [other.pid], min_samples=20) as apart:
@@ -118,3 +132,26 @@ def test_the_sibling_watch_sees_two_busy_processes_on_one_core() -> None:
         other.kill()
         engine.wait()
         other.wait()
+
+
+def test_one_thread_can_be_pinned_apart_from_the_rest_of_its_process() -> None:
+    """`--pin`: the engine thread alone on its core, every other thread of its process elsewhere;
+    afterwards all of them may run anywhere again."""
+    cores = physical_cores()
+    first = min(cores)
+    elsewhere = {cpu for cpu, core in cores.items() if core != cores[first]}
+    if not elsewhere:
+        pytest.skip("a host of one core cannot hold them apart")
+    code = "import threading, sys; threading.Thread(target=sys.stdin.read).start(); sys.stdin.read()"
+    with subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE) as process:
+        threads = wait_until(lambda: len(_tids(process.pid)) >= 2 and _tids(process.pid), "its second thread")
+        helper = next(tid for tid in threads if tid != process.pid)
+        with placed({process.pid: elsewhere}, {(process.pid, process.pid): {first}}):
+            assert os.sched_getaffinity(process.pid) == {first}
+            assert os.sched_getaffinity(helper) == elsewhere
+        assert os.sched_getaffinity(process.pid) == os.sched_getaffinity(helper) == set(cores)
+        process.kill()
+
+
+def _tids(pid: int) -> list[int]:
+    return [int(tid) for tid in os.listdir(f"/proc/{pid}/task")]
