@@ -76,6 +76,10 @@ class LinkThread:
         self._to_prepare: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._outbound: queue.Queue[wire.Message] = queue.Queue(MAX_OUTBOUND)
         self._replies: collections.deque[wire.Message] = collections.deque()  # the prompt thread's
+        # When each message in _outbound was handed over, in order; and, with a step trace on
+        # (trace_handoffs), where this thread puts how long each waited before it took it (seconds).
+        self._handed_over_at: collections.deque[float] = collections.deque()
+        self._handoff_waits: collections.deque[float] | None = None
         # Encoded frames ZeroMQ has not taken yet, in order for each gateway.
         self._outbox = Outbox(sock, patience_s)
         self._desk: PromptDesk | None = None
@@ -112,22 +116,36 @@ class LinkThread:
         self._desk_set.set()
         self._ring()
 
+    def trace_handoffs(self, waits: collections.deque[float] | None) -> None:
+        """From now on, how long each message waited between its hand-over and this thread taking
+        it goes into `waits` (model_worker.step_trace): the wake-up, and the GIL, it waited for.
+        None stops it."""
+        self._handoff_waits = waits
+
     def send(self, message: wire.Message) -> None:
         """Hand a message over for sending; waits while the hand-over queue is full. Raises the
         link's failure, or PeerUnresponsive when no room came within the patience."""
         self.check()
+        self._handed_over_at.append(time.perf_counter())
         try:
             self._outbound.put_nowait(message)
         except queue.Full:
-            self._wait_for_room(message)
+            try:
+                self._wait_for_room(message)
+            except BaseException:
+                self._handed_over_at.pop()  # never queued
+                raise
         self._ring()
 
     def send_last(self, message: wire.Message) -> None:
         """A message sent on the way out (Fatal, goodbye): best effort, since the process's exit is
         itself seen by the gateway; waiting here would only delay that."""
+        self._handoff_waits = None  # the trace has closed
+        self._handed_over_at.append(time.perf_counter())
         try:
             self._outbound.put_nowait(message)
         except queue.Full:
+            self._handed_over_at.pop()
             logger.warning("send queue to the gateway is full; the last frame is not sent")
             return
         self._ring()
@@ -335,9 +353,13 @@ class LinkThread:
         if self._replies:
             return self._replies.popleft()
         try:
-            return self._outbound.get_nowait()
+            message = self._outbound.get_nowait()
         except queue.Empty:
             return None
+        handed_over = self._handed_over_at.popleft()
+        if (waits := self._handoff_waits) is not None:
+            waits.append(time.perf_counter() - handed_over)
+        return message
 
     def _send_leftovers(self) -> None:
         """On the engine thread, once the link thread has ended: what can go out without waiting."""

@@ -270,10 +270,13 @@ class Worker:
         jobs, embeddings = self.jobs, self.embeddings
         assert jobs is not None and embeddings is not None
         trace = StepTrace.from_environment()  # None unless GATEWAY_STEP_TRACE names a file
+        if trace is not None:
+            self.link.trace_handoffs(trace.handoff_waits)
         try:
             self._loop(engine, jobs, embeddings, trace)
         finally:
             if trace is not None:
+                self.link.trace_handoffs(None)
                 trace.close()
         return self.standby.unload_deadline is not None
 

@@ -10,7 +10,11 @@ Each line is one iteration that stepped the engine:
   gpu_ms      GPU time between CUDA events recorded around the step (absent without CUDA)
   outside_ms  wall time of the loop between the previous step's end and this step's start
               (socket, admissions, encoding and sending frames, heartbeats)
-  send_ms     encoding and sending this step's frame
+  send_ms     handing this step's frame over to the link thread (the worker), or nothing (in-process)
+  link_ms     the worker only: the longest time a frame taken since the previous line had waited,
+              from its hand-over until the link thread took it (the thread's wake-up, and the GIL
+              it shares with this thread); absent when the link thread took none meanwhile
+  link_frames how many frames (steps' and heartbeats') the link thread took since the previous line
   jobs        jobs that produced output in this step
   tokens      tokens emitted in this step
   first       jobs whose first token came in this step (their prefill finished)
@@ -18,6 +22,7 @@ Each line is one iteration that stepped the engine:
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import time
@@ -44,6 +49,8 @@ class StepTrace:
         except ImportError:
             pass
         self._pending: dict[str, Any] | None = None
+        # Filled by the worker's link thread (LinkThread.trace_handoffs): seconds each frame waited.
+        self.handoff_waits: collections.deque[float] = collections.deque()
         self._started_jobs: set[Any] = set()  # jobs that have produced a token and not finished
 
     @classmethod
@@ -92,6 +99,10 @@ class StepTrace:
             return
         now = time.perf_counter()
         self._pending["send_ms"] = round((now - self._step_end) * 1000, 3)
+        waits = [self.handoff_waits.popleft() for _ in range(len(self.handoff_waits))]
+        if waits:
+            self._pending["link_ms"] = round(max(waits) * 1000, 3)
+            self._pending["link_frames"] = len(waits)
         self._last_end = now
         self._file.write(json.dumps(self._pending, separators=(",", ":")) + "\n")
         self._pending = None
@@ -118,6 +129,7 @@ def summarize(path: str) -> dict[str, Any]:
             "gpu_ms_p50": median([r.get("gpu_ms") for r in rows]),
             "outside_ms_p50": median([r["outside_ms"] for r in rows]),
             "send_ms_p50": median([r.get("send_ms") for r in rows]),
+            "link_ms_p50": median([r.get("link_ms") for r in rows]),
             "tokens_per_step": round(sum(r["tokens"] for r in rows) / len(rows), 2),
         }
 

@@ -1,0 +1,46 @@
+"""The worker's per-step trace (GATEWAY_STEP_TRACE in a model's `env`): one JSON line per engine
+step, with the step's time, its jobs and tokens, the loop's time around it, and how long each Step
+frame waited before the link thread took it.
+
+Runs in the pytest process against one real gateway with the transformers demo model; the trace is
+the file the worker writes.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import httpx
+
+from tests.harness import GatewayProcess, wait_until
+from tests.integration.conftest import demo_entry, write_registry
+
+TOKENS = 12
+
+
+def test_every_step_of_a_stream_is_traced_with_the_link_threads_wait(
+    tmp_path: Path, demo_model_dir: Path
+) -> None:
+    trace = tmp_path / "trace.jsonl"
+    config = write_registry(
+        tmp_path / "models.yaml", [demo_entry("m", demo_model_dir, env={"GATEWAY_STEP_TRACE": str(trace)})]
+    )
+    with GatewayProcess(config) as gw:
+        body = {"model": "m", "prompt": "hello", "max_tokens": TOKENS, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", gw.url + "/v1/completions", json=body, timeout=60) as response:
+            assert response.status_code == 200
+            chunks = [line for line in response.iter_lines() if line.startswith("data: {")]
+        assert len(chunks) >= 1
+        # The trace is buffered in the worker: a stop closes it.
+    lines = wait_until(lambda: trace.exists() and trace.read_text().splitlines(), "the trace's lines")
+    steps = [json.loads(line) for line in lines]
+    assert sum(step["tokens"] for step in steps) == TOKENS
+    assert sum(step["first"] for step in steps) == 1
+    assert all(step["jobs"] == 1 and step["step_ms"] > 0 for step in steps)
+    assert all(step["outside_ms"] is None or step["outside_ms"] >= 0 for step in steps)
+    # A step's frame is taken after its line is written, so its wait shows on a later line (one
+    # line may show several frames): every Step frame but the last one's, and any heartbeats.
+    assert sum(step.get("link_frames", 0) for step in steps) >= len(steps) - 1
+    waits = [step["link_ms"] for step in steps if "link_frames" in step]
+    assert waits and all(wait >= 0 for wait in waits), steps
