@@ -50,6 +50,7 @@ logger = logging.getLogger(__name__)
 # Messages waiting for this thread to encode them: at one Step frame per engine step, minutes of
 # output; past it the engine waits (backpressure).
 MAX_OUTBOUND = 4096
+BELL_READ_BYTES = 4096  # rings are one byte each: a read this long that comes back short took them all
 _WAKE = object()  # an inbound item that only wakes the engine thread (a stop was requested)
 _STOP = object()  # the prompt thread's last item
 
@@ -260,8 +261,10 @@ class LinkThread:
                 return
 
     def _clear_bell(self) -> None:
+        # A short read has emptied the pipe: no second read just to hear EAGAIN. Each call here
+        # lets go of the GIL and takes it back, which the engine thread may then have to wait for.
         try:
-            while os.read(self._bell_read, 4096):
+            while len(os.read(self._bell_read, BELL_READ_BYTES)) == BELL_READ_BYTES:
                 pass
         except BlockingIOError:
             pass
