@@ -359,8 +359,9 @@ class LinkThread:
             message = self._outbound.get_nowait()
         except queue.Empty:
             return None
-        handed_over = self._handed_over_at.popleft()
-        if (waits := self._handoff_waits) is not None:
+        # Never fatal: a diagnostic must not end the link if its count were ever off.
+        handed_over = self._handed_over_at.popleft() if self._handed_over_at else None
+        if handed_over is not None and (waits := self._handoff_waits) is not None:
             waits.append(time.perf_counter() - handed_over)
         return message
 
