@@ -4,11 +4,12 @@ Runs as a standalone process on a GPU host (scripts/gpu_run.sh starts it). Owns 
 the report. The same model, settings and prompts are driven (1) in this process through the
 engine library's own generator and (2) through a gateway started on a free port, whose worker
 loads the same model with the same settings, at 1, 4, 16 and 64 concurrent greedy streams. Raw
-and gateway rounds alternate at each concurrency (never overlapping), after a warm-up round of
-each. Then, through the gateway only, streamed completions with `logprobs: 1` against the same
-without, alternating. With `--mixed-model` on a two-GPU host it also serves an exllamav2 model on
-GPU 0 and an exllamav3 model on GPU 1 from one gateway, each alone and both at once. Writes a
-markdown table with the targets and a JSON file (device, date, versions, every figure).
+and gateway rounds alternate at each concurrency (never overlapping; every other turn in reverse
+order), after a warm-up round of each. Then, through the gateway only, streamed completions with
+`logprobs: 1` against the same without, alternating. With `--mixed-model` on a two-GPU host it
+also serves an exllamav2 model on GPU 0 and an exllamav3 model on GPU 1 from one gateway, each
+alone and both at once. Writes a markdown table with the targets and a JSON file (device, date,
+versions, every figure).
 
     python bench/bench_engines.py --engine exllamav2 --model /tmp/models/llama3-8b --out-dir $OUT
 """
@@ -251,8 +252,10 @@ def run_overhead(args: argparse.Namespace, report: dict[str, Any]) -> None:
             rounds: dict[str, list[Round]] = {path: [] for path in paths}
             for path in paths:  # warm-up: this batch shape, once each
                 run[path][0]()
-            for _ in range(args.rounds):  # interleaved: every path once per round
-                for path in paths:
+            for turn in range(args.rounds):  # interleaved: every path once per round
+                # Every other turn in reverse, so that no path always comes first (or always right
+                # after another) and a pattern within a turn cannot favour one.
+                for path in paths if turn % 2 == 0 else paths[::-1]:
                     rounds[path].append(measured(*run[path], gw.pid))
             for path, done in rounds.items():
                 row = {"path": path, "streams": count, **summarize(done), **thread_summary(done)}
