@@ -33,6 +33,7 @@ sys.path.insert(0, str(REPO_ROOT))
 
 from bench.access_log import add_gateway_ttft  # noqa: E402
 from bench.cpu_placement import SiblingWatch, placed, split_cores, topology  # noqa: E402
+from bench.neighbours import Neighbours, parse_loads  # noqa: E402
 from bench.proc_cpu import cpu_seconds, run_seconds, steal_seconds, thread_times, thread_usage  # noqa: E402
 from bench.profiling import Profiler  # noqa: E402
 from bench.streams import Round, engine_round, http_round, paired, raw_round, summarize  # noqa: E402
@@ -166,6 +167,19 @@ def pinned(run: Any, placement: dict[int, set[int]], engine_thread: tuple[int, i
     return round_
 
 
+def beside_neighbours(run: Any, neighbours: Neighbours) -> Any:
+    """The round with the synthetic neighbours awake (bench/neighbours.py)."""
+
+    def round_() -> Round:
+        before = neighbours.cpu_seconds()
+        with neighbours.awake():
+            done = run()
+        done.neighbour_cpu_s = neighbours.cpu_seconds() - before
+        return done
+
+    return round_
+
+
 def run_overhead(args: argparse.Namespace, report: dict[str, Any]) -> None:
     """Raw vs gateway (and optionally our engine in-process, a peer server, and both sides with
     torch's default CPU threads) at each concurrency, alternating rounds; then logprobs vs none
@@ -204,7 +218,9 @@ def run_overhead(args: argparse.Namespace, report: dict[str, Any]) -> None:
     report["settings"]["raw_threads"] = args.raw_threads
     report["settings"]["torch_default_threads"] = default_threads
     report["cpu"] = topology()
-    with gateway(config, args.out_dir / f"bench-{args.engine}.log") as gw:
+    report["settings"]["neighbours"] = [f"{n.period_ms:g} ms : {n.busy_us:g} us" for n in args.neighbours]
+    log = args.out_dir / f"bench-{args.engine}.log"
+    with gateway(config, log) as gw, Neighbours(args.neighbours) as neighbours:
         pids = {w["model"]: int(w["pid"]) for w in gw.workers()}
         report["worker_threads"] = {name: process_threads(pid) for name, pid in pids.items()}
         own, rest = split_cores()
@@ -232,6 +248,8 @@ def run_overhead(args: argparse.Namespace, report: dict[str, Any]) -> None:
                 run["raw, pinned"] = (pinned(run["raw"][0], everyone_else, (me, me), own), None)
                 gateway_pinned = pinned(run["gateway"][0], everyone_else, (worker, worker), own)
                 run["gateway, pinned"] = (gateway_pinned, worker)
+            if args.neighbours:
+                run["raw, neighbours"] = (beside_neighbours(run["raw"][0], neighbours), None)
             if args.compare_threads:
                 run["raw, torch threads"] = (partial(raw, ids, default_threads), None)
                 run["gateway, torch threads"] = (
@@ -263,6 +281,13 @@ def run_overhead(args: argparse.Namespace, report: dict[str, Any]) -> None:
                     row.update(paired(done, rounds["raw"]))
                 if path.startswith("gateway, ") and "over 2 GPUs" in path:  # the split against one GPU
                     row.update({f"one_gpu_{k}": v for k, v in paired(done, rounds["gateway"]).items()})
+                if path == "gateway" and "raw, neighbours" in rounds:  # against raw with the same wake-ups
+                    beside = paired(done, rounds["raw, neighbours"])
+                    row.update({f"neighbours_{k}": v for k, v in beside.items()})
+                neighbour_cpu = [r.neighbour_cpu_s for r in done if r.neighbour_cpu_s is not None]
+                if neighbour_cpu:
+                    seconds = sum(r.seconds for r in done)
+                    row["neighbour_cpu_pct"] = round(100 * sum(neighbour_cpu) / seconds, 1)
                 if path == ENV_PATH and "gateway" in rounds:  # the default worker against this one
                     row.update({f"default_{k}": v for k, v in paired(rounds["gateway"], done).items()})
                 worker_cpu = [r.worker_cpu_s for r in done if r.worker_cpu_s is not None]
@@ -511,6 +536,15 @@ def markdown(report: dict[str, Any]) -> str:
             lines.append(f"| {r['streams']} streams: gateway / {r['path']} {env}, paired | "
                          f"{r['default_paired_ratio']:.3f} ({spread}); TTFT "
                          f"{r['default_paired_ttft_added_ms']:+.1f} ms | - |")  # fmt: skip
+        if "neighbours_paired_ratio" in r:
+            spread = f"turns {r['neighbours_paired_ratio_min']:.3f}-{r['neighbours_paired_ratio_max']:.3f}"
+            within = _interval(r.get("neighbours_paired_ratio_ci95"), ".3f", "-")
+            lines.append(f"| {r['streams']} streams: gateway / raw beside neighbours "
+                         f"{report['settings']['neighbours']}, paired | {r['neighbours_paired_ratio']:.3f} "
+                         f"({spread}{within}) | - |")  # fmt: skip
+        if "neighbour_cpu_pct" in r:
+            lines.append(f"| {r['path']}, {r['streams']} streams: the neighbours' CPU, % of one core | "
+                         f"{r['neighbour_cpu_pct']} | - |")  # fmt: skip
         if "one_gpu_paired_ratio" in r:
             spread = f"turns {r['one_gpu_paired_ratio_min']:.3f}-{r['one_gpu_paired_ratio_max']:.3f}"
             lines.append(f"| {r['path']}, {r['streams']} streams: tok/s / one GPU's | "
@@ -578,6 +612,15 @@ def main(argv: list[str] | None = None) -> int:
         "--split",
         action="store_true",
         help="exllamav3 on two GPUs: also the gateway with the model split by layers and tensor-parallel",
+    )
+    parser.add_argument(
+        "--neighbours",
+        type=parse_loads,
+        default=[],
+        metavar="PERIOD_MS:BUSY_US[,...]",
+        help="also raw rounds beside synthetic processes that wake every PERIOD_MS and then keep a CPU "
+        "busy for BUSY_US (path 'raw, neighbours'; e.g. 27:600,27:340, as the gateway and the client at "
+        "one stream)",
     )
     parser.add_argument("--peer", help="another OpenAI-compatible server's URL, driven by the same client")
     parser.add_argument("--peer-model", default="m", help="the model name to send to --peer")

@@ -60,6 +60,7 @@ class Round:
     threads: dict[str, Any] | None = None
     round_id: str | None = None  # HTTP rounds: the prefix of its requests' X-Request-ID
     host_steal_pct: float | None = None  # share of the host's CPU time taken by its hypervisor meanwhile
+    neighbour_cpu_s: float | None = None  # rounds beside bench/neighbours.py: the CPU time they used
 
     @property
     def seconds(self) -> float:

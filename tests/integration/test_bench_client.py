@@ -15,6 +15,7 @@ import sys
 import pytest
 
 from bench.cpu_placement import SiblingWatch, physical_cores, placed
+from bench.neighbours import Load, Neighbours, parse_loads
 from bench.streams import Round, Stream, http_round, median_interval, paired, summarize
 from tests.harness import GatewayProcess, wait_until
 
@@ -155,3 +156,29 @@ def test_one_thread_can_be_pinned_apart_from_the_rest_of_its_process() -> None:
 
 def _tids(pid: int) -> list[int]:
     return [int(tid) for tid in os.listdir(f"/proc/{pid}/task")]
+
+
+def _state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as stat:
+        return stat.read().rsplit(")", 1)[1].split()[0]
+
+
+def test_the_neighbours_use_a_cpu_only_while_awake() -> None:
+    """bench_engines.py --neighbours: processes that wake and burn a CPU beside the raw path's
+    rounds, and are stopped between them."""
+    with Neighbours(parse_loads("5:2000,10:1000")) as neighbours:
+        pids = [p.pid for p in neighbours._processes]
+        wait_until(lambda: all(_state(pid) == "T" for pid in pids), "both neighbours stopped at start")
+        before = neighbours.cpu_seconds()
+        with neighbours.awake():
+            wait_until(lambda: neighbours.cpu_seconds() - before >= 0.2, "the neighbours using a CPU")
+        # Stopped again between rounds (a signal lands a moment after it is sent).
+        wait_until(lambda: all(_state(pid) == "T" for pid in pids), "both neighbours stopped again")
+    assert all(not os.path.exists(f"/proc/{pid}") for pid in pids)  # and gone with the block
+
+
+def test_a_neighbour_load_must_be_shorter_than_its_period() -> None:
+    assert parse_loads("27:600,27:340") == [Load(27, 600), Load(27, 340)]
+    for bad in ("27", "10:10000", "0:5", "5:-1"):
+        with pytest.raises(ValueError):
+            parse_loads(bad)
