@@ -218,6 +218,7 @@ def run_overhead(args: argparse.Namespace, report: dict[str, Any]) -> None:
     report["settings"]["raw_threads"] = args.raw_threads
     report["settings"]["torch_default_threads"] = default_threads
     report["cpu"] = topology()
+    report["settings"]["engine_threads_pinned"] = args.pin_all
     report["settings"]["neighbours"] = [f"{n.period_ms:g} ms : {n.busy_us:g} us" for n in args.neighbours]
     log = args.out_dir / f"bench-{args.engine}.log"
     with gateway(config, log) as gw, Neighbours(args.neighbours) as neighbours:
@@ -243,6 +244,11 @@ def run_overhead(args: argparse.Namespace, report: dict[str, Any]) -> None:
                 "engine": (partial(engine_round, engine, ids, args.new_tokens, traces["engine"]), None),
                 "gateway": (partial(http_round, gw.url, "m", texts, args.new_tokens, None), pids.get("m")),
             }
+            if args.pin_all:  # every round so: a core's speed then moves both paths of a turn alike
+                everyone_else = {me: rest, gw.pid: rest, worker: rest}
+                for name in ("raw", "engine"):
+                    run[name] = (pinned(run[name][0], everyone_else, (me, me), own), None)
+                run["gateway"] = (pinned(run["gateway"][0], everyone_else, (worker, worker), own), worker)
             if args.pin:  # both engine threads on the same core of their own; every other thread elsewhere
                 everyone_else = {me: rest, gw.pid: rest, worker: rest}
                 run["raw, pinned"] = (pinned(run["raw"][0], everyone_else, (me, me), own), None)
@@ -508,7 +514,8 @@ def markdown(report: dict[str, Any]) -> str:
     lines = [
         f"{report['device']} | {report['date']} | {report['engine']} {versions['engine']} | "
         f"torch {versions['torch']} | {Path(report['model']).name} | greedy, {report['new_tokens']} new "
-        f"tokens, median of {report['rounds']} interleaved rounds (spread: min-max of the rounds)",
+        f"tokens, median of {report['rounds']} interleaved rounds (spread: min-max of the rounds)"
+        + (", every engine thread on one core" if report["settings"].get("engine_threads_pinned") else ""),
         "",
         HEADER,
         *(row_line(r) for r in report["rows"] + report["logprobs"]),
@@ -607,6 +614,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="also raw and gateway rounds with the engine's thread pinned to one physical core of its own "
         "(the same core on both paths) and every other thread of the benchmark, gateway and worker elsewhere",
+    )
+    parser.add_argument(
+        "--pin-all",
+        action="store_true",
+        help="as --pin, but for the raw, engine and gateway rounds themselves (no extra paths): on a host "
+        "whose cores change speed independently, it makes the two rounds of a turn share one core's luck",
     )
     parser.add_argument(
         "--split",
