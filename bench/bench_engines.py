@@ -22,6 +22,7 @@ import json
 import os
 import platform
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
 from functools import partial
@@ -33,6 +34,7 @@ sys.path.insert(0, str(REPO_ROOT))
 
 from bench.access_log import add_gateway_ttft  # noqa: E402
 from bench.cpu_placement import SiblingWatch, placed, split_cores, topology  # noqa: E402
+from bench.gpu_clocks import GpuClocks  # noqa: E402
 from bench.neighbours import Neighbours, parse_loads  # noqa: E402
 from bench.proc_cpu import cpu_seconds, run_seconds, steal_seconds, thread_times, thread_usage  # noqa: E402
 from bench.profiling import Profiler  # noqa: E402
@@ -110,13 +112,18 @@ def process_threads(pid: int) -> int | None:
     return None
 
 
-def measured(run: Any, pid: int | None, gateway_pid: int | None = None) -> Round:
+def measured(
+    run: Any, pid: int | None, gateway_pid: int | None = None, clocks: GpuClocks | None = None
+) -> Round:
     """One round, with the host's steal time meanwhile and what the threads of the process that
     drives the engine did (the worker's, or this process's on an in-process path: see
     proc_cpu.thread_usage); for a worker, the CPU seconds it and the gateway used, and how often
     another busy thread ran on the physical core of its engine thread."""
     steal_before = steal_seconds()
+    started = time.perf_counter()
     done = _measured(run, pid, gateway_pid)
+    if clocks is not None:
+        done.gpu = clocks.between(started, time.perf_counter())
     host_cpu_s = done.seconds * (os.cpu_count() or 1)
     done.host_steal_pct = round(100 * (steal_seconds() - steal_before) / host_cpu_s, 2)
     return done
@@ -221,7 +228,7 @@ def run_overhead(args: argparse.Namespace, report: dict[str, Any]) -> None:
     report["settings"]["engine_threads_pinned"] = args.pin_all
     report["settings"]["neighbours"] = [f"{n.period_ms:g} ms : {n.busy_us:g} us" for n in args.neighbours]
     log = args.out_dir / f"bench-{args.engine}.log"
-    with gateway(config, log) as gw, Neighbours(args.neighbours) as neighbours:
+    with gateway(config, log) as gw, Neighbours(args.neighbours) as neighbours, GpuClocks() as clocks:
         pids = {w["model"]: int(w["pid"]) for w in gw.workers()}
         report["worker_threads"] = {name: process_threads(pid) for name, pid in pids.items()}
         own, rest = split_cores()
@@ -280,7 +287,7 @@ def run_overhead(args: argparse.Namespace, report: dict[str, Any]) -> None:
                 # Every other turn in reverse, so that no path always comes first (or always right
                 # after another) and a pattern within a turn cannot favour one.
                 for path in paths if turn % 2 == 0 else paths[::-1]:
-                    rounds[path].append(measured(*run[path], gw.pid))
+                    rounds[path].append(measured(*run[path], gw.pid, clocks))
             for path, done in rounds.items():
                 row = {"path": path, "streams": count, **summarize(done), **thread_summary(done)}
                 if path != "raw" and "raw" in rounds:
@@ -309,6 +316,7 @@ def run_overhead(args: argparse.Namespace, report: dict[str, Any]) -> None:
                 # Per round: the CPU the engine thread ran on most, and its share of the samples
                 # (the host's cores need not run at one speed).
                 row["engine_cpu_rounds"] = [r.engine_cpu for r in done]
+                row["gpu_rounds"] = [r.gpu for r in done]
                 row["round_ids"] = [r.round_id for r in done if r.round_id is not None]
                 report["rows"].append(row)
             args.save()  # after each level: a run cut short keeps what it measured
@@ -491,15 +499,21 @@ def thread_lines(rows: list[dict[str, Any]]) -> list[str]:
 
 def cpu_round_lines(rows: list[dict[str, Any]]) -> list[str]:
     """Each round's rate beside the CPU its engine thread ran on most (and the share of the
-    samples it ran there): whether one path's rounds were fast or slow by the core they got."""
+    samples it ran there) and GPU 0's mean SM clock: whether one path's rounds were fast or slow
+    by the core they got, or by the clocks the GPU ran at."""
     rows = [r for r in rows if r.get("engine_cpu_rounds") and r.get("tok_s_rounds")]
     if not rows:
         return []
-    lines = ["| path | streams | tok/s of each round @ the engine thread's CPU (share) |", "|---|---|---|"]
+    lines = [
+        "| path | streams | tok/s of each round @ the engine thread's CPU (share), GPU SM clock |",
+        "|---|---|---|",
+    ]
     for r in rows:
+        gpus = r.get("gpu_rounds") or [None] * len(r["tok_s_rounds"])
         cells = [
-            f"{rate:.0f} @ {cpu[0]} ({cpu[1]:.2f})" if cpu else f"{rate:.0f} @ -"
-            for rate, cpu in zip(r["tok_s_rounds"], r["engine_cpu_rounds"], strict=False)
+            (f"{rate:.0f} @ {cpu[0]} ({cpu[1]:.2f})" if cpu else f"{rate:.0f} @ -")
+            + (f", {gpu['sm_mhz']:.0f} MHz" if gpu else "")
+            for rate, cpu, gpu in zip(r["tok_s_rounds"], r["engine_cpu_rounds"], gpus, strict=False)
         ]
         lines.append(f"| {r['path']} | {r['streams']} | {', '.join(cells)} |")
     return [*lines, ""]

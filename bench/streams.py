@@ -61,6 +61,7 @@ class Round:
     round_id: str | None = None  # HTTP rounds: the prefix of its requests' X-Request-ID
     host_steal_pct: float | None = None  # share of the host's CPU time taken by its hypervisor meanwhile
     neighbour_cpu_s: float | None = None  # rounds beside bench/neighbours.py: the CPU time they used
+    gpu: dict[str, float] | None = None  # GPU 0's mean clocks, power and use meanwhile (bench/gpu_clocks.py)
 
     @property
     def seconds(self) -> float:

@@ -15,6 +15,7 @@ import sys
 import pytest
 
 from bench.cpu_placement import SiblingWatch, physical_cores, placed
+from bench.gpu_clocks import GpuClocks, parse, window
 from bench.neighbours import Load, Neighbours, parse_loads
 from bench.streams import Round, Stream, http_round, median_interval, paired, summarize
 from tests.harness import GatewayProcess, wait_until
@@ -182,3 +183,18 @@ def test_a_neighbour_load_must_be_shorter_than_its_period() -> None:
     for bad in ("27", "10:10000", "0:5", "5:-1"):
         with pytest.raises(ValueError):
             parse_loads(bad)
+
+
+def test_gpu_clock_samples_are_averaged_over_each_round() -> None:
+    lines = ["1980, 2619, 300.5, 90", "[N/A], 2619, 1, 1", "1410, 2619, 200.5, 50", "1980, 2619, 100, 10"]
+    samples = [parse(line, at) for at, line in enumerate(lines)]
+    assert samples[1] is None  # a field nvidia-smi could not read drops the line, not the run
+    kept = [s for s in samples if s is not None]
+    assert window(kept, 0, 2) == {"sm_mhz": 1695, "mem_mhz": 2619, "power_w": 250.5, "busy_pct": 70.0}
+    assert window(kept, 3, 3)["sm_mhz"] == 1980 and window(kept, 4, 9) is None
+
+
+def test_without_nvidia_smi_the_clock_watch_records_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PATH", "/nonexistent")
+    with GpuClocks() as clocks:
+        assert clocks.between(0, float("inf")) is None
