@@ -89,6 +89,7 @@ def remote_spec(config: str | Path, model: str) -> WorkerSpec:
         standby=entry.get("load") == "on_demand",
         **_constraint_budgets(entry),
         **_capacity(entry, f"{source}: model {name!r}"),
+        admission_window_s=_admission_window_s(entry, f"{source}: model {name!r}"),
     )
 
 
@@ -125,3 +126,12 @@ def _constraint_budgets(entry: dict[str, Any]) -> dict[str, Any]:
         key: limits[key] for key in ("max_constraint_states", "max_constraint_compile_s") if key in limits
     }
     return budgets
+
+
+def _admission_window_s(entry: dict[str, Any], where: str) -> float:
+    """limits.admission_window_ms, checked as the gateway's registry model checks it."""
+    value = (entry.get("limits") or {}).get("admission_window_ms", 0.0)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 100:
+        raise RemoteSpecError(f"{where}, field 'limits.admission_window_ms': must be a number from 0 to 100, "
+                              f"not {value!r}")  # fmt: skip
+    return float(value) / 1000

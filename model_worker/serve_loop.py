@@ -286,12 +286,16 @@ class Worker:
         last_heartbeat = 0.0
         interval_s = self.spec.heartbeat_interval_s
         link, handlers = self.link, self._handlers
+        window_s = self.spec.admission_window_s
         while True:
             # Never wait for messages while jobs are active; wait only when idle (and only briefly
             # while a job waits for its constraint to compile in the compiler process).
-            timeout_s = 0.0 if engine.has_work() else (0.005 if jobs.waiting else interval_s)
+            idle = not engine.has_work()
+            timeout_s = 0.0 if not idle else (0.005 if jobs.waiting else interval_s)
             for item in link.take(timeout_s):
                 handlers[type(item)](item)
+            if idle and window_s and engine.has_work():
+                self._gather_burst(window_s)
             if embeddings.queue:
                 embeddings.run()
             if jobs.waiting:
@@ -335,6 +339,22 @@ class Worker:
             if unload_at is not None and (not (engine.has_work() or jobs.waiting) or now >= unload_at):
                 jobs.abort_all("the model is being unloaded")
                 return
+
+    def _gather_burst(self, window_s: float) -> None:
+        """The engine was idle and has just been given a job: take the rest of a burst that is on
+        its way (requests sent together reach the worker about a gateway's admission apart) before
+        the first step, so that they are prefilled together. Without it the first job's prefill
+        starts alone, the others wait for it, and a burst is prefilled a few jobs per step, each
+        step also decoding the jobs already started (the library, handed all of them at once,
+        prefills them in one go). Ends at window_s, or once nothing has come for a quarter of it."""
+        deadline = time.monotonic() + window_s
+        quiet_s = window_s / 4
+        while (left := deadline - time.monotonic()) > 0:
+            items = self.link.take(min(quiet_s, left))
+            if not items:
+                return
+            for item in items:
+                self._handlers[type(item)](item)
 
     # ---- message handlers --------------------------------------------------------------------
 

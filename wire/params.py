@@ -158,6 +158,8 @@ class WorkerSpec:
     # Budgets for compiling a job's output constraint (model_worker.constraints).
     max_constraint_states: int = 4096
     max_constraint_compile_s: float = 5.0
+    # An idle worker given a job waits up to this long for the rest of a burst (model_worker.serve_loop).
+    admission_window_s: float = 0.0
     # The worker's own admission (model_worker.jobs): at most max_jobs running and max_queue waiting,
     # refused beyond (worker_full). 0: no cap of its own (a spawned worker; its gateway admits).
     max_jobs: int = 0

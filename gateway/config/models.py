@@ -57,6 +57,16 @@ class ModelLimits(_Strict):
         "replica, else gets full_queue_status. Read by the worker from its copy of the registry.",
     )
     max_queued_prompt_tokens: int = Field(1_000_000, ge=0, description="Prompt tokens waiting, summed.")
+    admission_window_ms: float = Field(
+        0.0,
+        ge=0.0,
+        le=100.0,
+        description="A worker with nothing to run that receives a job waits up to this long for more before "
+        "its first step, so that requests sent together (a burst) are prefilled together instead of one "
+        "step each; it stops waiting once no job has come for a quarter of it. Costs a lone request up to "
+        "a quarter of it in time to first token. 0: no wait. Read by the worker (also from its copy of "
+        "the registry).",
+    )
     request_timeout_s: float = Field(600.0, gt=0, description="Deadline for one request, queueing included.")
     full_queue_status: Literal[429, 503] = Field(429, description="HTTP status when the queue is full.")
     priority_aging_s: float = Field(

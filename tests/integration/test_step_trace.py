@@ -9,6 +9,8 @@ the file the worker writes.
 from __future__ import annotations
 
 import json
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -44,3 +46,38 @@ def test_every_step_of_a_stream_is_traced_with_the_link_threads_wait(
     assert sum(step.get("link_frames", 0) for step in steps) >= len(steps) - 1
     waits = [step["link_ms"] for step in steps if "link_frames" in step]
     assert waits and all(wait >= 0 for wait in waits), steps
+
+
+def _burst(url: str, count: int) -> None:
+    """`count` completions sent at once: each client's connection is open before a barrier lets
+    them all go, as an SDK's pool holds them."""
+    body = {"model": "m", "prompt": "hello", "max_tokens": 4, "ignore_eos": True}
+    ready = threading.Barrier(count)
+
+    def send(_: int) -> int:
+        with httpx.Client(base_url=url, timeout=60) as client:
+            client.get("/v1/models")
+            ready.wait()
+            return client.post("/v1/completions", json=body).status_code
+
+    with ThreadPoolExecutor(count) as pool:
+        assert list(pool.map(send, range(count))) == [200] * count
+
+
+def _first_steps(trace: Path) -> list[dict[str, int]]:
+    lines = wait_until(lambda: trace.exists() and trace.read_text().splitlines(), "the trace's lines")
+    return [step for step in map(json.loads, lines) if step["first"]]
+
+
+def test_an_idle_worker_takes_a_burst_of_requests_into_one_first_step(
+    tmp_path: Path, demo_model_dir: Path
+) -> None:
+    """limits.admission_window_ms: requests sent together reach the worker one gateway admission
+    apart; an idle worker waits for the rest of them, so that all are prefilled in its first step."""
+    trace = tmp_path / "trace.jsonl"
+    limits = {"max_concurrent_jobs": 32, "max_queued_requests": 64, "admission_window_ms": 100}
+    entry = demo_entry("m", demo_model_dir, env={"GATEWAY_STEP_TRACE": str(trace)}, limits=limits)
+    with GatewayProcess(write_registry(tmp_path / "models.yaml", [entry])) as gw:
+        _burst(gw.url, 4)
+    first = _first_steps(trace)
+    assert [(step["jobs"], step["first"]) for step in first] == [(4, 4)], first

@@ -113,6 +113,10 @@ def test_example_registries_are_valid(path: Path) -> None:
             ["'m1'", "already used"],
         ),
         (
+            "  - {name: m1, engine: transformers, path: x, limits: {admission_window_ms: 500}}",
+            ["model 'm1'", "field 'limits.admission_window_ms'", "100"],
+        ),
+        (
             "  - {name: m1, engine: transformers, path: x, reasoning_parser: o1}",
             ["model 'm1'", "field 'reasoning_parser'", "'deepseek_r1' or 'qwen3'"],
         ),
@@ -292,3 +296,17 @@ def test_replica_gpus_must_match_replicas(tmp_path: Path) -> None:
         write(tmp_path, "models:\n  - {name: m, path: x, replicas: 2, replica_gpus: [[0], [1]]}\n")
     )
     assert [registry.models[0].gpus_of_replica(r) for r in range(2)] == [[0], [1]]
+
+
+def test_the_admission_window_reaches_spawned_and_remote_workers_alike(tmp_path: Path) -> None:
+    from gateway.config.registry import worker_spec
+    from model_worker.remote_spec import RemoteSpecError, remote_spec
+
+    (tmp_path / "x").mkdir()
+    entry = "  - {name: m1, engine: transformers, path: x, limits: {admission_window_ms: 8}}\n"
+    spawned = worker_spec(load_registry(write(tmp_path, "models:\n" + entry)).models[0], 1.0)
+    remote = write(tmp_path, "models:\n" + entry.replace("path: x,", "path: x, remote: true,"))
+    assert spawned.admission_window_s == remote_spec(remote, "m1").admission_window_s == 0.008
+    remote.write_text(remote.read_text().replace("8}", "'soon'}"))
+    with pytest.raises(RemoteSpecError, match=r"model 'm1', field 'limits.admission_window_ms'"):
+        remote_spec(remote, "m1")
