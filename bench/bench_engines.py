@@ -70,6 +70,7 @@ def settings(args: argparse.Namespace) -> dict[str, Any]:
 
 
 ENV_PATH = "gateway, env"
+WINDOW_PATH = "gateway, admission window"
 
 
 def env_assignments(text: str) -> dict[str, str]:
@@ -217,6 +218,14 @@ def run_overhead(args: argparse.Namespace, report: dict[str, Any]) -> None:
         env = {**worker_env, **args.compare_env}
         models.append(registry_entry("m-env", args.engine, args.model, [0], args, env))
         report["settings"]["compare_env"] = args.compare_env
+    if args.admission_window_ms:  # the same model, its worker gathering bursts before a first step
+        trace_env = {TRACE_VARIABLE: str(args.out_dir / f"trace-{args.engine}-gateway-window.jsonl")}
+        entry = registry_entry(
+            "m-window", args.engine, args.model, [0], args, trace_env if args.trace else None
+        )
+        entry["limits"]["admission_window_ms"] = args.admission_window_ms
+        models.append(entry)
+        report["settings"]["admission_window_ms"] = args.admission_window_ms
     for _path, name, split in SPLITS if args.split else ():  # the same model over GPUs 0 and 1
         entry = registry_entry(name, args.engine, args.model, [0, 1], args)
         entry["engine_settings"].update(split)
@@ -272,6 +281,9 @@ def run_overhead(args: argparse.Namespace, report: dict[str, Any]) -> None:
             if args.compare_env:
                 env_round = partial(http_round, gw.url, "m-env", texts, args.new_tokens, None)
                 run[ENV_PATH] = (env_round, pids.get("m-env"))
+            if args.admission_window_ms:
+                window_round = partial(http_round, gw.url, "m-window", texts, args.new_tokens, None)
+                run[WINDOW_PATH] = (window_round, pids.get("m-window"))
             for path, name, _ in SPLITS if args.split else ():
                 run[path] = (partial(http_round, gw.url, name, texts, args.new_tokens, None), pids.get(name))
             if args.peer:
@@ -301,6 +313,8 @@ def run_overhead(args: argparse.Namespace, report: dict[str, Any]) -> None:
                 if neighbour_cpu:
                     seconds = sum(r.seconds for r in done)
                     row["neighbour_cpu_pct"] = round(100 * sum(neighbour_cpu) / seconds, 1)
+                if path == WINDOW_PATH and "gateway" in rounds:  # this worker against the default one
+                    row.update({f"window_{k}": v for k, v in paired(done, rounds["gateway"]).items()})
                 if path == ENV_PATH and "gateway" in rounds:  # the default worker against this one
                     row.update({f"default_{k}": v for k, v in paired(rounds["gateway"], done).items()})
                 worker_cpu = [r.worker_cpu_s for r in done if r.worker_cpu_s is not None]
@@ -557,6 +571,12 @@ def markdown(report: dict[str, Any]) -> str:
             lines.append(f"| {r['streams']} streams: gateway / {r['path']} {env}, paired | "
                          f"{r['default_paired_ratio']:.3f} ({spread}); TTFT "
                          f"{r['default_paired_ttft_added_ms']:+.1f} ms | - |")  # fmt: skip
+        if "window_paired_ratio" in r:
+            within = _interval(r.get("window_paired_ttft_added_ms_ci95"), "+.1f", " to ")
+            window_ms = report["settings"]["admission_window_ms"]
+            lines.append(f"| {r['streams']} streams: {r['path']} {window_ms} ms / "
+                         f"gateway, paired | tok/s {r['window_paired_ratio']:.3f}; TTFT "
+                         f"{r['window_paired_ttft_added_ms']:+.1f} ms{within} | - |")  # fmt: skip
         if "neighbours_paired_ratio" in r:
             spread = f"turns {r['neighbours_paired_ratio_min']:.3f}-{r['neighbours_paired_ratio_max']:.3f}"
             within = _interval(r.get("neighbours_paired_ratio_ci95"), ".3f", "-")
@@ -639,6 +659,13 @@ def main(argv: list[str] | None = None) -> int:
         "--split",
         action="store_true",
         help="exllamav3 on two GPUs: also the gateway with the model split by layers and tensor-parallel",
+    )
+    parser.add_argument(
+        "--admission-window-ms",
+        type=float,
+        default=0.0,
+        help="also a second worker of the same model with limits.admission_window_ms set to this (path "
+        "'gateway, admission window'), interleaved with the default one and paired against it per round",
     )
     parser.add_argument(
         "--neighbours",
