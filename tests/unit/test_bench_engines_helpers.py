@@ -1,7 +1,7 @@
 """bench/bench_engines.py's helpers: `--compare-env` (the second worker's variables as parsed from
 the command line, a malformed item refused with what was given) and the gateway-side time to first
-token read back from the access log by the client's request ids (bench/access_log.py). Runs in the
-test process."""
+token read back from the access log by the client's request ids (bench/access_log.py), and the report's
+lines for the admission-window worker and the neighbours. Runs in the test process."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from bench.access_log import add_gateway_ttft, ttft_by_round
-from bench.bench_engines import env_assignments
+from bench.bench_engines import WINDOW_PATH, env_assignments, markdown
+from bench.streams import Round, Stream, paired, summarize
 
 
 def test_items_become_variables() -> None:
@@ -56,3 +57,40 @@ def test_the_access_log_gives_each_rounds_ttft(tmp_path: Path) -> None:
     ]
     add_gateway_ttft(rows, log)
     assert [row.get("gateway_ttft_ms_p50") for row in rows] == [24.5, 32.0, None, None]
+
+
+def _rounds(step_s: float, count: int = 7) -> list[Round]:
+    return [
+        Round([Stream(0.0, [0.02 + step_s * (i + k % 3 * 0.01) for i in range(8)])]) for k in range(count)
+    ]
+
+
+def test_the_report_pairs_the_window_worker_and_the_neighbours_with_their_baselines() -> None:
+    """The lines a GPU run prints for --admission-window-ms and --neighbours, from rows built as
+    run_overhead builds them: a report that cannot be written would lose the run's numbers."""
+    raw, gateway, window, beside = _rounds(0.020), _rounds(0.021), _rounds(0.021), _rounds(0.022)
+    for r in raw:
+        r.step_seconds = [0.020] * 7
+    for r in beside:
+        r.neighbour_cpu_s = 0.01
+    rows = [
+        {"path": "raw", "streams": 1, **summarize(raw), "engine_cpu_rounds": [(3, 1.0)] * 7,
+         "gpu_rounds": [{"sm_mhz": 1980}] * 7},
+        {"path": "gateway", "streams": 1, **summarize(gateway), **paired(gateway, raw),
+         **{f"neighbours_{k}": v for k, v in paired(gateway, beside).items()}},
+        {"path": WINDOW_PATH, "streams": 1, **summarize(window), **paired(window, raw),
+         **{f"window_{k}": v for k, v in paired(window, gateway).items()}},
+        {"path": "raw, neighbours", "streams": 1, **summarize(beside), **paired(beside, raw),
+         "neighbour_cpu_pct": 5.0},
+    ]  # fmt: skip
+    report = {"device": "d", "date": "t", "engine": "exllamav3", "model": "/m", "new_tokens": 8, "rounds": 7,
+              "versions": {"engine": "1", "torch": "2"}, "rows": rows, "logprobs": [], "mixed": [],
+              "settings": {"admission_window_ms": 8.0, "neighbours": ["28 ms : 600 us"],
+                           "engine_threads_pinned": True}}  # fmt: skip
+    text = markdown(report)
+    assert "every engine thread on one core" in text
+    assert f"| 1 streams: {WINDOW_PATH} 8.0 ms / gateway, paired | tok/s 1.000; TTFT +0.0 ms" in text
+    ratio = gateway[0].tok_s / beside[0].tok_s  # every turn alike here
+    assert f"| 1 streams: gateway / raw beside neighbours ['28 ms : 600 us'], paired | {ratio:.3f}" in text
+    assert "| raw, neighbours, 1 streams: the neighbours' CPU, % of one core | 5.0 |" in text
+    assert "@ 3 (1.00), 1980 MHz" in text
