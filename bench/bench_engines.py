@@ -215,7 +215,9 @@ def run_overhead(args: argparse.Namespace, report: dict[str, Any]) -> None:
         threads = {name: str(default_threads) for name in CPU_THREAD_VARIABLES}
         models.append(registry_entry("m-threads", args.engine, args.model, [0], args, threads))
     if args.compare_env:  # the same model, its worker under other environment variables
-        env = {**worker_env, **args.compare_env}
+        # Its own trace file (unless the comparison sets one): two workers must not write one file.
+        env_trace = {TRACE_VARIABLE: str(args.out_dir / f"trace-{args.engine}-gateway-env.jsonl")}
+        env = {**(env_trace if args.trace else {}), **args.compare_env}
         models.append(registry_entry("m-env", args.engine, args.model, [0], args, env))
         report["settings"]["compare_env"] = args.compare_env
     if args.admission_window_ms:  # the same model, its worker gathering bursts before a first step
