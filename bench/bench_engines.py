@@ -71,6 +71,7 @@ def settings(args: argparse.Namespace) -> dict[str, Any]:
 
 ENV_PATH = "gateway, env"
 WINDOW_PATH = "gateway, admission window"
+THREADS_PATH = "gateway, torch threads"
 
 
 def env_assignments(text: str) -> dict[str, str]:
@@ -175,6 +176,18 @@ def pinned(run: Any, placement: dict[int, set[int]], engine_thread: tuple[int, i
     return round_
 
 
+def pin_other_workers(run: dict[str, Any], placement: dict[int, set[int]], own: set[int]) -> None:
+    """With --pin-all, the rounds of every worker beside the default one ("gateway, admission
+    window", the --compare-env and --compare-threads workers, the splits) run with that worker's
+    engine thread on the engine's core, as the default worker's do; else a comparison of two
+    workers would compare the cores they happened to run on."""
+    others = (ENV_PATH, WINDOW_PATH, THREADS_PATH, *(path for path, _, _ in SPLITS))
+    for path in others:
+        if path in run and run[path][1] is not None:
+            round_, worker_pid = run[path]
+            run[path] = (pinned(round_, placement, (worker_pid, worker_pid), own), worker_pid)
+
+
 def beside_neighbours(run: Any, neighbours: Neighbours) -> Any:
     """The round with the synthetic neighbours awake (bench/neighbours.py)."""
 
@@ -262,13 +275,13 @@ def run_overhead(args: argparse.Namespace, report: dict[str, Any]) -> None:
                 "engine": (partial(engine_round, engine, ids, args.new_tokens, traces["engine"]), None),
                 "gateway": (partial(http_round, gw.url, "m", texts, args.new_tokens, None), pids.get("m")),
             }
+            # Every process of the run away from the engine's own core, idle workers included.
+            everyone_else = {pid: rest for pid in (me, gw.pid, *pids.values())}
             if args.pin_all:  # every round so: a core's speed then moves both paths of a turn alike
-                everyone_else = {me: rest, gw.pid: rest, worker: rest}
                 for name in ("raw", "engine"):
                     run[name] = (pinned(run[name][0], everyone_else, (me, me), own), None)
                 run["gateway"] = (pinned(run["gateway"][0], everyone_else, (worker, worker), own), worker)
             if args.pin:  # both engine threads on the same core of their own; every other thread elsewhere
-                everyone_else = {me: rest, gw.pid: rest, worker: rest}
                 run["raw, pinned"] = (pinned(run["raw"][0], everyone_else, (me, me), own), None)
                 gateway_pinned = pinned(run["gateway"][0], everyone_else, (worker, worker), own)
                 run["gateway, pinned"] = (gateway_pinned, worker)
@@ -276,7 +289,7 @@ def run_overhead(args: argparse.Namespace, report: dict[str, Any]) -> None:
                 run["raw, neighbours"] = (beside_neighbours(run["raw"][0], neighbours), None)
             if args.compare_threads:
                 run["raw, torch threads"] = (partial(raw, ids, default_threads), None)
-                run["gateway, torch threads"] = (
+                run[THREADS_PATH] = (
                     partial(http_round, gw.url, "m-threads", texts, args.new_tokens, None),
                     pids.get("m-threads"),
                 )
@@ -293,6 +306,8 @@ def run_overhead(args: argparse.Namespace, report: dict[str, Any]) -> None:
                     partial(http_round, args.peer, args.peer_model, texts, args.new_tokens, None),
                     None,
                 )
+            if args.pin_all:  # the other workers' rounds too: each engine thread on the same core
+                pin_other_workers(run, everyone_else, own)
             paths = [path for path in run if path.split(",")[0] in args.paths or path.startswith("peer")]
             rounds: dict[str, list[Round]] = {path: [] for path in paths}
             for path in paths:  # warm-up: this batch shape, once each

@@ -1,17 +1,22 @@
 """bench/bench_engines.py's helpers: `--compare-env` (the second worker's variables as parsed from
 the command line, a malformed item refused with what was given) and the gateway-side time to first
 token read back from the access log by the client's request ids (bench/access_log.py), and the report's
-lines for the admission-window worker and the neighbours. Runs in the test process."""
+lines for the admission-window worker and the neighbours, and `--pin-all` placing every worker's
+engine thread, not only the default one's. Runs in the test process (and one sleeping child, as a
+worker to place)."""
 
 from __future__ import annotations
 
 import argparse
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from bench.access_log import add_gateway_ttft, ttft_by_round
-from bench.bench_engines import WINDOW_PATH, env_assignments, markdown
+from bench.bench_engines import ENV_PATH, WINDOW_PATH, env_assignments, markdown, pin_other_workers
 from bench.streams import Round, Stream, paired, summarize
 
 
@@ -94,3 +99,34 @@ def test_the_report_pairs_the_window_worker_and_the_neighbours_with_their_baseli
     assert f"| 1 streams: gateway / raw beside neighbours ['28 ms : 600 us'], paired | {ratio:.3f}" in text
     assert "| raw, neighbours, 1 streams: the neighbours' CPU, % of one core | 5.0 |" in text
     assert "@ 3 (1.00), 1980 MHz" in text
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs to place a worker on one")
+def test_pin_all_puts_every_workers_engine_thread_on_the_engines_core() -> None:
+    """A second worker's rounds (the admission window's, --compare-env's) must run where the default
+    worker's run, or a comparison of the two compares the cores they landed on."""
+    cpus = sorted(os.sched_getaffinity(0))
+    own, rest = {cpus[-1]}, set(cpus[:-1])
+    with subprocess.Popen(
+        [sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE
+    ) as worker:
+        try:
+            seen: dict[str, set[int]] = {}
+
+            def round_of(path: str) -> object:
+                def round_() -> str:
+                    seen[path] = os.sched_getaffinity(worker.pid)
+                    return path
+
+                return round_
+
+            run = {path: (round_of(path), worker.pid) for path in (WINDOW_PATH, ENV_PATH)}
+            run["peer"] = (round_of("peer"), None)  # a server of someone else's: nothing to place
+            pin_other_workers(run, {worker.pid: rest}, own)
+            for path, (round_, _pid) in run.items():
+                assert round_() == path
+            assert seen[WINDOW_PATH] == own and seen[ENV_PATH] == own
+            assert seen["peer"] == set(cpus)
+            assert os.sched_getaffinity(worker.pid) == set(cpus)  # free again after each round
+        finally:
+            worker.kill()
