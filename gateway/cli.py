@@ -41,9 +41,14 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         from gateway.link.worker_dialer import load_cluster_keys
 
         load_cluster_keys(registry.server.cluster)  # unusable keys: the file and field, before serving
+    from gateway.http.connections import ListenError
     from gateway.server import run_server
 
-    asyncio.run(run_server(registry, host, port))
+    try:
+        asyncio.run(run_server(registry, host, port))
+    except ListenError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -55,7 +55,7 @@ async def run_server(registry: Registry, host: str, port: int) -> None:
     max_connections = min(server.max_connections, max(fd_limit - FD_RESERVE, 16))
     if max_connections < server.max_connections:
         logger.warning("max_connections lowered to %d by the open-file limit (%d)", max_connections, fd_limit)
-    listener = listen(host, port, max_connections, server.max_connections_per_client)
+    listener = listen(host, port, max_connections, server.max_connections_per_client, server.reuse_port)
     app = create_app(registry)
     app.extensions["http_connections"] = listener.stats
     gateway: Gateway = app.extensions["gateway"]

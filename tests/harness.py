@@ -153,9 +153,10 @@ class GatewayProcess:
         ready_timeout: float = 120.0,
         wait_ready: bool = True,
         log_path: Path | None = None,
+        port: int | None = None,
     ) -> None:
         self.config_path = Path(config_path)
-        self.port = free_port()
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.ready_timeout = ready_timeout
         self.wait_ready = wait_ready

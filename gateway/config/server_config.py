@@ -126,6 +126,12 @@ class ServerConfig(_Strict):
     max_connections_per_client: int = Field(
         512, ge=1, description="Open HTTP connections from one client address at most."
     )
+    reuse_port: bool = Field(
+        False,
+        description="Listen with SO_REUSEPORT, so that several gateway processes on one host can share "
+        "the port (every one of them must set it); the kernel spreads new connections over them. Give "
+        "them the same registry: in cluster mode they share its workers.",
+    )
     allowed_hosts: list[str] = Field(
         default_factory=list,
         description="Host names served without API keys besides loopback ones (localhost, 127.0.0.1, "

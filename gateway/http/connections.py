@@ -7,6 +7,8 @@ Runs in the gateway process; gateway.server installs it before Hypercorn starts.
   flood from one client (slowloris included: Hypercorn's keep-alive timer is also the deadline for a
   request's headers) cannot take every descriptor or every slot; it turns Nagle's algorithm off on
   every connection it keeps, so each streamed chunk leaves when it is written;
+- `listen`, which binds it (with SO_REUSEPORT where several gateways share the port) and turns a
+  failed bind into a `ListenError` that names the address, for the command line to print;
 - `PromptCloseTCPServer`: Hypercorn keeps a connection whose client has closed until its keep-alive
   timer runs out (CLOSE-WAIT, one descriptor each); this closes it as soon as the client has;
 - `raise_fd_limit`, and a rate-limited log for accept errors (a descriptor shortage would otherwise
@@ -16,6 +18,7 @@ Runs in the gateway process; gateway.server installs it before Hypercorn starts.
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import resource
 import socket
@@ -92,11 +95,29 @@ class ListenerSocket(socket.socket):
             return connection, address
 
 
-def listen(host: str, port: int, max_total: int, max_per_client: int) -> ListenerSocket:
+class ListenError(RuntimeError):
+    """The gateway cannot listen where it was told to (a port in use, an address not on this host)."""
+
+
+def listen(
+    host: str, port: int, max_total: int, max_per_client: int, reuse_port: bool = False
+) -> ListenerSocket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = ListenerSocket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host.strip("[]"), port))
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    try:
+        sock.bind((host.strip("[]"), port))
+    except OSError as exc:
+        sock.close()
+        hint = ""
+        if exc.errno == errno.EADDRINUSE:
+            hint = (
+                " (another process listens there; gateways meant to share a port must all set "
+                "server.reuse_port)"
+            )
+        raise ListenError(f"cannot listen on {host}:{port}: {exc.strerror or exc}{hint}") from None
     sock.setblocking(False)
     sock.max_total, sock.max_per_client, sock.stats = max_total, max_per_client, ConnectionStats()
     return sock

@@ -6,7 +6,9 @@ cap across both gateways; a gateway killed with SIGKILL mid-stream leaves the wo
 other gateway's streams finish, and the killed gateway's jobs are cancelled in the worker within a
 heartbeat timeout (read from the load the worker reports to the surviving gateway). Without a
 leader (a static list), a reload that changes what the worker reads is refused; one that changes
-only what gateways read is applied, and the worker keeps serving.
+only what gateways read is applied, and the worker keeps serving. Two more gateways with
+`server.reuse_port` share one port on the host and both serve the worker's model, while a gateway
+without it is refused that port with a clear error.
 """
 
 from __future__ import annotations
@@ -221,6 +223,52 @@ def test_a_reload_that_changes_what_the_worker_reads_is_refused_without_a_leader
     finally:
         cluster.config.write_text(original)
         assert httpx.post(first.url + "/admin/reload", params={"wait": 30}, timeout=60).status_code == 200
+
+
+def test_gateways_that_reuse_the_port_share_it_and_its_requests(
+    cluster: Cluster, worker: subprocess.Popen[bytes]
+) -> None:
+    registry = yaml.safe_load(cluster.config.read_text())
+    registry["server"]["reuse_port"] = True
+    shared = cluster.root / "reuse-port.yaml"
+    shared.write_text(yaml.safe_dump(registry))
+    port = free_port()
+    logs = [cluster.root / f"reuse-port-{i}.log" for i in range(2)]
+    first = GatewayProcess(shared, port=port, log_path=logs[0], wait_ready=False)
+    second = GatewayProcess(shared, port=port, log_path=logs[1], wait_ready=False)
+    with first, second:
+        # Through a shared port a readiness probe may reach either one: each says in its own log
+        # that it listens and that the worker is ready for it.
+        def serving(gateway: GatewayProcess) -> bool:
+            assert gateway.process is not None and gateway.process.poll() is None, gateway.log()
+            return all(line in gateway.log_path.read_text() for line in ("Running on", "-> ready"))
+
+        for gateway in (first, second):
+            wait_until(lambda g=gateway: serving(g), "each gateway to listen and see the worker ready")
+        ids = [f"reuse-port-{i}" for i in range(16)]
+        for rid in ids:  # each on a connection of its own, so the kernel picks a gateway for each
+            reply = httpx.post(
+                f"http://127.0.0.1:{port}/v1/completions",
+                json={"model": "shared", "prompt": "hi", "max_tokens": 2},
+                headers={"X-Request-ID": rid},
+                timeout=60,
+            )
+            assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 2
+        served = [{rid for rid in ids if f"request_id={rid} " in log.read_text()} for log in logs]
+        # 16 connections all on one of two gateways: a chance of 2 in 2**16.
+        assert served[0] | served[1] == set(ids) and not served[0] & served[1], served
+        assert served[0] and served[1], served
+        # A gateway that does not ask to share the port is refused it, clearly.
+        refused = subprocess.run(
+            [sys.executable, "-m", "gateway", "serve", "--config", str(cluster.config), "--port", str(port)],
+            cwd=REPO_ROOT, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert refused.returncode == 1, refused.stderr
+        assert (
+            f"cannot listen on 127.0.0.1:{port}" in refused.stderr and "server.reuse_port" in refused.stderr
+        )
+        assert "Traceback" not in refused.stderr
+    assert worker.poll() is None
 
 
 def test_a_killed_gateway_leaves_the_worker_serving_and_its_jobs_cancelled(
