@@ -26,12 +26,16 @@ def ttft_by_round(log_text: str) -> dict[str, list[float]]:
     return rounds
 
 
-def add_gateway_ttft(rows: list[dict[str, Any]], log_path: Path) -> None:
-    """Adds `gateway_ttft_ms_p50` to every row whose rounds' requests are in the log."""
-    try:
-        by_round = ttft_by_round(log_path.read_text(errors="replace"))
-    except OSError:
-        return
+def add_gateway_ttft(rows: list[dict[str, Any]], *log_paths: Path) -> None:
+    """Adds `gateway_ttft_ms_p50` to every row whose rounds' requests are in the logs (several
+    gateway processes: each request is in the log of the one that served it)."""
+    texts = []
+    for log_path in log_paths:
+        try:
+            texts.append(log_path.read_text(errors="replace"))
+        except OSError:
+            continue
+    by_round = ttft_by_round("\n".join(texts))
     for row in rows:
         values = [ms for round_id in row.get("round_ids", ()) for ms in by_round.get(round_id, ())]
         if values:

@@ -17,6 +17,7 @@ versions, every figure).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -34,6 +35,7 @@ sys.path.insert(0, str(REPO_ROOT))
 
 from bench.access_log import add_gateway_ttft  # noqa: E402
 from bench.cpu_placement import SiblingWatch, placed, split_cores, topology  # noqa: E402
+from bench.gateway_processes import GatewayProcesses  # noqa: E402
 from bench.gpu_clocks import GpuClocks  # noqa: E402
 from bench.neighbours import Neighbours, parse_loads  # noqa: E402
 from bench.proc_cpu import cpu_seconds, run_seconds, steal_seconds, thread_times, thread_usage  # noqa: E402
@@ -72,6 +74,10 @@ def settings(args: argparse.Namespace) -> dict[str, Any]:
 ENV_PATH = "gateway, env"
 WINDOW_PATH = "gateway, admission window"
 THREADS_PATH = "gateway, torch threads"
+
+
+def processes_path(count: int) -> str:
+    return f"gateway, {count} processes"
 
 
 def env_assignments(text: str) -> dict[str, str]:
@@ -115,7 +121,7 @@ def process_threads(pid: int) -> int | None:
 
 
 def measured(
-    run: Any, pid: int | None, gateway_pid: int | None = None, clocks: GpuClocks | None = None
+    run: Any, pid: int | None, gateway_pids: list[int] | None = None, clocks: GpuClocks | None = None
 ) -> Round:
     """One round, with the host's steal time meanwhile and what the threads of the process that
     drives the engine did (the worker's, or this process's on an in-process path: see
@@ -123,7 +129,7 @@ def measured(
     another busy thread ran on the physical core of its engine thread."""
     steal_before = steal_seconds()
     started = time.perf_counter()
-    done = _measured(run, pid, gateway_pid)
+    done = _measured(run, pid, gateway_pids or [])
     if clocks is not None:
         done.gpu = clocks.between(started, time.perf_counter())
     host_cpu_s = done.seconds * (os.cpu_count() or 1)
@@ -131,12 +137,12 @@ def measured(
     return done
 
 
-def _measured(run: Any, pid: int | None, gateway_pid: int | None) -> Round:
+def _measured(run: Any, pid: int | None, gateway_pids: list[int]) -> Round:
     driver = pid or os.getpid()  # an in-process path runs the engine on this process's main thread
     threads_before = thread_times(driver)
-    others = [driver, *([os.getpid()] if pid else []), *([gateway_pid] if gateway_pid else [])]
+    others = [driver, *([os.getpid()] if pid else []), *gateway_pids]
     before = cpu_seconds(pid) if pid else 0.0
-    gateway_before = run_seconds(gateway_pid) if gateway_pid else 0.0
+    gateway_before = sum(run_seconds(gateway_pid) for gateway_pid in gateway_pids)
     with SiblingWatch((driver, driver), others) as watch:
         done = run()
     done.threads = thread_usage(driver, threads_before, thread_times(driver), done.seconds)
@@ -144,8 +150,10 @@ def _measured(run: Any, pid: int | None, gateway_pid: int | None) -> Round:
     done.engine_core_shared = watch.shared_fraction
     if pid:
         done.worker_cpu_s = cpu_seconds(pid) - before
-        if gateway_pid:
-            done.gateway_cpu_s = run_seconds(gateway_pid) - gateway_before
+        if gateway_pids:  # every gateway process the round went through
+            done.gateway_cpu_s = (
+                sum(run_seconds(gateway_pid) for gateway_pid in gateway_pids) - gateway_before
+            )
     return done
 
 
@@ -176,12 +184,14 @@ def pinned(run: Any, placement: dict[int, set[int]], engine_thread: tuple[int, i
     return round_
 
 
-def pin_other_workers(run: dict[str, Any], placement: dict[int, set[int]], own: set[int]) -> None:
+def pin_other_workers(
+    run: dict[str, Any], placement: dict[int, set[int]], own: set[int], extra_paths: tuple[str, ...] = ()
+) -> None:
     """With --pin-all, the rounds of every worker beside the default one ("gateway, admission
     window", the --compare-env and --compare-threads workers, the splits) run with that worker's
     engine thread on the engine's core, as the default worker's do; else a comparison of two
     workers would compare the cores they happened to run on."""
-    others = (ENV_PATH, WINDOW_PATH, THREADS_PATH, *(path for path, _, _ in SPLITS))
+    others = (ENV_PATH, WINDOW_PATH, THREADS_PATH, *(path for path, _, _ in SPLITS), *extra_paths)
     for path in others:
         if path in run and run[path][1] is not None:
             round_, worker_pid = run[path]
@@ -252,8 +262,22 @@ def run_overhead(args: argparse.Namespace, report: dict[str, Any]) -> None:
     report["settings"]["engine_threads_pinned"] = args.pin_all
     report["settings"]["neighbours"] = [f"{n.period_ms:g} ms : {n.busy_us:g} us" for n in args.neighbours]
     log = args.out_dir / f"bench-{args.engine}.log"
-    with gateway(config, log) as gw, Neighbours(args.neighbours) as neighbours, GpuClocks() as clocks:
+    several = args.gateway_processes
+    processes = contextlib.nullcontext(None)
+    if several:  # the same model behind several gateway processes on one port (cluster mode)
+        entry = registry_entry("m-procs", args.engine, args.model, [0], args)
+        processes = GatewayProcesses(entry, several, args.out_dir / "gateway-processes", env=gateway_env())
+        report["settings"]["gateway_processes"] = several
+    with (
+        gateway(config, log) as gw,
+        processes as procs,
+        Neighbours(args.neighbours) as neighbours,
+        GpuClocks() as clocks,
+    ):
         pids = {w["model"]: int(w["pid"]) for w in gw.workers()}
+        if procs is not None:
+            pids["m-procs"] = procs.worker_pid
+        gateway_pids = {processes_path(several): procs.gateway_pids} if procs is not None else {}
         report["worker_threads"] = {name: process_threads(pid) for name, pid in pids.items()}
         own, rest = split_cores()
         report["cpu"]["pinned"] = {"engine": sorted(own), "others": sorted(rest)}
@@ -276,7 +300,9 @@ def run_overhead(args: argparse.Namespace, report: dict[str, Any]) -> None:
                 "gateway": (partial(http_round, gw.url, "m", texts, args.new_tokens, None), pids.get("m")),
             }
             # Every process of the run away from the engine's own core, idle workers included.
-            everyone_else = {pid: rest for pid in (me, gw.pid, *pids.values())}
+            everyone_else = {
+                pid: rest for pid in (me, gw.pid, *pids.values(), *sum(gateway_pids.values(), []))
+            }
             if args.pin_all:  # every round so: a core's speed then moves both paths of a turn alike
                 for name in ("raw", "engine"):
                     run[name] = (pinned(run[name][0], everyone_else, (me, me), own), None)
@@ -299,6 +325,9 @@ def run_overhead(args: argparse.Namespace, report: dict[str, Any]) -> None:
             if args.admission_window_ms:
                 window_round = partial(http_round, gw.url, "m-window", texts, args.new_tokens, None)
                 run[WINDOW_PATH] = (window_round, pids.get("m-window"))
+            if procs is not None:
+                procs_round = partial(http_round, procs.url, "m-procs", texts, args.new_tokens, None)
+                run[processes_path(several)] = (procs_round, procs.worker_pid)
             for path, name, _ in SPLITS if args.split else ():
                 run[path] = (partial(http_round, gw.url, name, texts, args.new_tokens, None), pids.get(name))
             if args.peer:
@@ -307,7 +336,7 @@ def run_overhead(args: argparse.Namespace, report: dict[str, Any]) -> None:
                     None,
                 )
             if args.pin_all:  # the other workers' rounds too: each engine thread on the same core
-                pin_other_workers(run, everyone_else, own)
+                pin_other_workers(run, everyone_else, own, tuple(gateway_pids))
             paths = [path for path in run if path.split(",")[0] in args.paths or path.startswith("peer")]
             rounds: dict[str, list[Round]] = {path: [] for path in paths}
             for path in paths:  # warm-up: this batch shape, once each
@@ -316,7 +345,7 @@ def run_overhead(args: argparse.Namespace, report: dict[str, Any]) -> None:
                 # Every other turn in reverse, so that no path always comes first (or always right
                 # after another) and a pattern within a turn cannot favour one.
                 for path in paths if turn % 2 == 0 else paths[::-1]:
-                    rounds[path].append(measured(*run[path], gw.pid, clocks))
+                    rounds[path].append(measured(*run[path], gateway_pids.get(path, [gw.pid]), clocks))
             for path, done in rounds.items():
                 row = {"path": path, "streams": count, **summarize(done), **thread_summary(done)}
                 if path != "raw" and "raw" in rounds:
@@ -332,6 +361,8 @@ def run_overhead(args: argparse.Namespace, report: dict[str, Any]) -> None:
                     row["neighbour_cpu_pct"] = round(100 * sum(neighbour_cpu) / seconds, 1)
                 if path == WINDOW_PATH and "gateway" in rounds:  # this worker against the default one
                     row.update({f"window_{k}": v for k, v in paired(done, rounds["gateway"]).items()})
+                if path in gateway_pids and "gateway" in rounds:  # several gateways against one
+                    row.update({f"processes_{k}": v for k, v in paired(done, rounds["gateway"]).items()})
                 if path == ENV_PATH and "gateway" in rounds:  # the default worker against this one
                     row.update({f"default_{k}": v for k, v in paired(rounds["gateway"], done).items()})
                 worker_cpu = [r.worker_cpu_s for r in done if r.worker_cpu_s is not None]
@@ -377,7 +408,9 @@ def run_overhead(args: argparse.Namespace, report: dict[str, Any]) -> None:
                 report["profiles"] = profiler.summaries
                 args.save()
         report["worker"] = gw.workers()[0]["info"]
-    add_gateway_ttft(report["rows"], args.out_dir / f"bench-{args.engine}.log")  # the gateway has stopped
+    # The gateways have stopped; the several processes' requests are in their own logs.
+    process_logs = sorted((args.out_dir / "gateway-processes").glob("gateway-processes-[0-9]*.log"))
+    add_gateway_ttft(report["rows"], args.out_dir / f"bench-{args.engine}.log", *process_logs)
     for trace in traces.values():
         if trace is not None:
             trace.close()
@@ -588,6 +621,11 @@ def markdown(report: dict[str, Any]) -> str:
             lines.append(f"| {r['streams']} streams: gateway / {r['path']} {env}, paired | "
                          f"{r['default_paired_ratio']:.3f} ({spread}); TTFT "
                          f"{r['default_paired_ttft_added_ms']:+.1f} ms | - |")  # fmt: skip
+        if "processes_paired_ratio" in r:
+            within = _interval(r.get("processes_paired_ttft_added_ms_ci95"), "+.1f", " to ")
+            lines.append(f"| {r['streams']} streams: {r['path']} on one port / gateway, paired | tok/s "
+                         f"{r['processes_paired_ratio']:.3f}; TTFT "
+                         f"{r['processes_paired_ttft_added_ms']:+.1f} ms{within} | - |")  # fmt: skip
         if "window_paired_ratio" in r:
             within = _interval(r.get("window_paired_ttft_added_ms_ci95"), "+.1f", " to ")
             window_ms = report["settings"]["admission_window_ms"]
@@ -676,6 +714,14 @@ def main(argv: list[str] | None = None) -> int:
         "--split",
         action="store_true",
         help="exllamav3 on two GPUs: also the gateway with the model split by layers and tensor-parallel",
+    )
+    parser.add_argument(
+        "--gateway-processes",
+        type=int,
+        default=0,
+        help="also the same model behind this many gateway processes on one port (cluster mode with "
+        "server.reuse_port, one listening worker; path 'gateway, N processes'), interleaved with the default "
+        "gateway and paired against it per round",
     )
     parser.add_argument(
         "--admission-window-ms",

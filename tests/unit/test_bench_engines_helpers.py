@@ -1,9 +1,9 @@
 """bench/bench_engines.py's helpers: `--compare-env` (the second worker's variables as parsed from
 the command line, a malformed item refused with what was given) and the gateway-side time to first
-token read back from the access log by the client's request ids (bench/access_log.py), and the report's
-lines for the admission-window worker and the neighbours, and `--pin-all` placing every worker's
-engine thread, not only the default one's. Runs in the test process (and one sleeping child, as a
-worker to place)."""
+token read back from the access logs by the client's request ids (bench/access_log.py; several
+gateway processes each write their own), the report's lines for the admission-window worker, the
+several gateway processes and the neighbours, and `--pin-all` placing every worker's engine thread,
+not only the default one's. Runs in the test process (and one sleeping child, as a worker to place)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,14 @@ from pathlib import Path
 import pytest
 
 from bench.access_log import add_gateway_ttft, ttft_by_round
-from bench.bench_engines import ENV_PATH, WINDOW_PATH, env_assignments, markdown, pin_other_workers
+from bench.bench_engines import (
+    ENV_PATH,
+    WINDOW_PATH,
+    env_assignments,
+    markdown,
+    pin_other_workers,
+    processes_path,
+)
 from bench.streams import Round, Stream, paired, summarize
 
 
@@ -62,6 +69,14 @@ def test_the_access_log_gives_each_rounds_ttft(tmp_path: Path) -> None:
     ]
     add_gateway_ttft(rows, log)
     assert [row.get("gateway_ttft_ms_p50") for row in rows] == [24.5, 32.0, None, None]
+    # Several gateway processes: a round's requests are spread over their logs (one may be missing).
+    lines = LOG.splitlines(keepends=True)
+    first, second = tmp_path / "gateway-0.log", tmp_path / "gateway-1.log"
+    first.write_text("".join(lines[:3]))  # the 2-stream round's first request
+    second.write_text("".join(lines[3:]))  # and its second
+    rows = [{"round_ids": ["bench-m-2s-5"]}]
+    add_gateway_ttft(rows, first, second, tmp_path / "never-written.log")
+    assert rows[0]["gateway_ttft_ms_p50"] == 32.0
 
 
 def _rounds(step_s: float, count: int = 7) -> list[Round]:
@@ -85,6 +100,8 @@ def test_the_report_pairs_the_window_worker_and_the_neighbours_with_their_baseli
          **{f"neighbours_{k}": v for k, v in paired(gateway, beside).items()}},
         {"path": WINDOW_PATH, "streams": 1, **summarize(window), **paired(window, raw),
          **{f"window_{k}": v for k, v in paired(window, gateway).items()}},
+        {"path": processes_path(2), "streams": 1, **summarize(window), **paired(window, raw),
+         **{f"processes_{k}": v for k, v in paired(window, gateway).items()}},
         {"path": "raw, neighbours", "streams": 1, **summarize(beside), **paired(beside, raw),
          "neighbour_cpu_pct": 5.0},
     ]  # fmt: skip
@@ -95,6 +112,9 @@ def test_the_report_pairs_the_window_worker_and_the_neighbours_with_their_baseli
     text = markdown(report)
     assert "every engine thread on one core" in text
     assert f"| 1 streams: {WINDOW_PATH} 8.0 ms / gateway, paired | tok/s 1.000; TTFT +0.0 ms" in text
+    assert (
+        "| 1 streams: gateway, 2 processes on one port / gateway, paired | tok/s 1.000; TTFT +0.0 ms" in text
+    )
     ratio = gateway[0].tok_s / beside[0].tok_s  # every turn alike here
     assert f"| 1 streams: gateway / raw beside neighbours ['28 ms : 600 us'], paired | {ratio:.3f}" in text
     assert "| raw, neighbours, 1 streams: the neighbours' CPU, % of one core | 5.0 |" in text
