@@ -45,7 +45,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from gateway.server import run_server
 
     try:
-        asyncio.run(run_server(registry, host, port))
+        asyncio.run(run_server(registry, host, port, args.own_port))
     except ListenError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
@@ -178,6 +178,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default=None, help="default: $HOST, then the registry's server.host")
     serve.add_argument(
         "--port", type=int, default=None, help="default: $PORT, then the registry's server.port"
+    )
+    serve.add_argument(
+        "--own-port",
+        type=int,
+        default=None,
+        help="also listen on this port, for this process alone: where gateways share --port "
+        "(server.reuse_port), /metrics and /admin/* there answer for whichever takes the connection",
     )
     serve.add_argument(
         "--log-format",

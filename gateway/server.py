@@ -49,20 +49,27 @@ async def _drain(gateway: Gateway, grace_s: float) -> None:
             await asyncio.sleep(0.02)
 
 
-async def run_server(registry: Registry, host: str, port: int) -> None:
+async def run_server(registry: Registry, host: str, port: int, own_port: int | None = None) -> None:
     server = registry.server
     fd_limit = raise_fd_limit()
     max_connections = min(server.max_connections, max(fd_limit - FD_RESERVE, 16))
     if max_connections < server.max_connections:
         logger.warning("max_connections lowered to %d by the open-file limit (%d)", max_connections, fd_limit)
     listener = listen(host, port, max_connections, server.max_connections_per_client, server.reuse_port)
+    listeners = [listener]
+    if own_port is not None:  # this process's alone, beside a port it may share (server.reuse_port)
+        try:
+            listeners.append(listen(host, own_port, max_connections, server.max_connections_per_client))
+        except BaseException:
+            listener.close()
+            raise
     app = create_app(registry)
     app.extensions["http_connections"] = listener.stats
     gateway: Gateway = app.extensions["gateway"]
     app.before_serving(freeze_startup_heap)  # registered after create_app's own, so it runs after it
     install_prompt_close()
     config = CappedConfig()
-    config.listener = listener
+    config.listeners = listeners
     config.accesslog = None  # gateway.http.request_log writes the access log, with request ids
     # A logger, not a stream: Hypercorn's errors then go through our handler and format (JSON too).
     config.errorlog = logging.getLogger("hypercorn.error")
@@ -99,6 +106,8 @@ async def run_server(registry: Registry, host: str, port: int) -> None:
         await _drain(gateway, registry.server.shutdown_grace_s)
 
     logger.info("listening on http://%s:%d", host, port)
+    if own_port is not None:
+        logger.info("also listening on http://%s:%d (this process alone)", host, own_port)
     try:
         await serve(app, config, shutdown_trigger=shutdown_trigger)
     except LifespanFailureError:

@@ -154,6 +154,7 @@ class GatewayProcess:
         wait_ready: bool = True,
         log_path: Path | None = None,
         port: int | None = None,
+        args: tuple[str, ...] = (),
     ) -> None:
         self.config_path = Path(config_path)
         self.port = port or free_port()
@@ -165,6 +166,7 @@ class GatewayProcess:
         self.env = {**os.environ, "PYTHONPATH": python_path, **(env or {})}
         self.log_path = log_path or self.config_path.with_suffix(f".{self.port}.log")
         self.process: subprocess.Popen[bytes] | None = None
+        self.args = args  # more `gateway serve` flags
 
     @property
     def pid(self) -> int:
@@ -182,6 +184,7 @@ class GatewayProcess:
             str(self.config_path),
             "--port",
             str(self.port),
+            *self.args,
         ]
         self.process = subprocess.Popen(
             cmd, env=self.env, stdout=self._log, stderr=subprocess.STDOUT, cwd=REPO_ROOT

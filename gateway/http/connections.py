@@ -124,13 +124,13 @@ def listen(
 
 
 class CappedConfig(Config):
-    """Hypercorn's configuration, serving our listening socket instead of binding its own."""
+    """Hypercorn's configuration, serving our listening sockets instead of binding its own."""
 
-    listener: ListenerSocket | None = None
+    listeners: list[ListenerSocket] = []
 
     def create_sockets(self) -> Sockets:
-        assert self.listener is not None
-        return Sockets(secure_sockets=[], insecure_sockets=[self.listener], quic_sockets=[])
+        assert self.listeners
+        return Sockets(secure_sockets=[], insecure_sockets=list(self.listeners), quic_sockets=[])
 
 
 class PromptCloseTCPServer(TCPServer):

@@ -7,8 +7,9 @@ other gateway's streams finish, and the killed gateway's jobs are cancelled in t
 heartbeat timeout (read from the load the worker reports to the surviving gateway). Without a
 leader (a static list), a reload that changes what the worker reads is refused; one that changes
 only what gateways read is applied, and the worker keeps serving. Two more gateways with
-`server.reuse_port` share one port on the host and both serve the worker's model, while a gateway
-without it is refused that port with a clear error.
+`server.reuse_port` share one port on the host and both serve the worker's model, each also on a
+port of its own (`--own-port`) where its metrics count what it served, while a gateway without the
+setting is refused the shared port with a clear error.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from typing import Any
 import httpx
 import pytest
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.harness import REPO_ROOT, GatewayProcess, free_port, wait_until
 from tests.integration.conftest import demo_entry, write_registry
@@ -232,10 +234,12 @@ def test_gateways_that_reuse_the_port_share_it_and_its_requests(
     registry["server"]["reuse_port"] = True
     shared = cluster.root / "reuse-port.yaml"
     shared.write_text(yaml.safe_dump(registry))
-    port = free_port()
+    port, own_ports = free_port(), [free_port(), free_port()]
     logs = [cluster.root / f"reuse-port-{i}.log" for i in range(2)]
-    first = GatewayProcess(shared, port=port, log_path=logs[0], wait_ready=False)
-    second = GatewayProcess(shared, port=port, log_path=logs[1], wait_ready=False)
+    first, second = (
+        GatewayProcess(shared, port=port, log_path=log, wait_ready=False, args=("--own-port", str(own)))
+        for log, own in zip(logs, own_ports, strict=True)
+    )
     with first, second:
         # Through a shared port a readiness probe may reach either one: each says in its own log
         # that it listens and that the worker is ready for it.
@@ -258,6 +262,10 @@ def test_gateways_that_reuse_the_port_share_it_and_its_requests(
         # 16 connections all on one of two gateways: a chance of 2 in 2**16.
         assert served[0] | served[1] == set(ids) and not served[0] & served[1], served
         assert served[0] and served[1], served
+        # Each one's own port answers for it alone: its metrics count the requests it served.
+        for own, mine in zip(own_ports, served, strict=True):
+            metrics = httpx.get(f"http://127.0.0.1:{own}/metrics", timeout=10).text
+            assert _completions_served(metrics) == len(mine), metrics
         # A gateway that does not ask to share the port is refused it, clearly.
         refused = subprocess.run(
             [sys.executable, "-m", "gateway", "serve", "--config", str(cluster.config), "--port", str(port)],
@@ -269,6 +277,17 @@ def test_gateways_that_reuse_the_port_share_it_and_its_requests(
         )
         assert "Traceback" not in refused.stderr
     assert worker.poll() is None
+
+
+def _completions_served(metrics: str) -> float:
+    """The gateway_requests counter of /v1/completions answered 200, from a /metrics page."""
+    total = 0.0
+    for family in text_string_to_metric_families(metrics):
+        for sample in family.samples:
+            labels = sample.labels
+            if sample.name == "gateway_requests_total" and labels.get("status") == "200":
+                total += sample.value if "completions" in labels.get("endpoint", "") else 0.0
+    return total
 
 
 def test_a_killed_gateway_leaves_the_worker_serving_and_its_jobs_cancelled(
