@@ -48,7 +48,7 @@ def test_a_gateway_round_records_the_gateway_cpu_per_token(two_model_gateway: Ga
     worker = next(int(w["pid"]) for w in two_model_gateway.workers() if w["model"] == "demo-small")
     prompts = [f"Stream {i}: hello" for i in range(4)]
     done = measured(lambda: http_round(two_model_gateway.url, "demo-small", prompts, 8, None), worker,
-                    two_model_gateway.pid)  # fmt: skip
+                    [two_model_gateway.pid])  # fmt: skip
     assert done.gateway_cpu_s is not None and done.gateway_cpu_s > 0
     assert done.worker_cpu_s is not None and done.worker_cpu_s >= 0
     assert done.host_steal_pct is not None and 0 <= done.host_steal_pct <= 100
