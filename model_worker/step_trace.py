@@ -14,7 +14,9 @@ Each line is one iteration that stepped the engine:
   link_ms     the worker only: the longest time a frame taken since the previous line had waited,
               from its hand-over until the link thread took it (the thread's wake-up, and the GIL
               it shares with this thread); absent when the link thread took none meanwhile
-  link_frames how many frames (steps' and heartbeats') the link thread took since the previous line
+  link_frames how many frames (steps' and heartbeats') the link thread took since the previous line;
+              the last line also counts those it took after that line was due (a link thread that
+              lagged behind the last steps), so every frame taken while the trace was on is counted
   jobs        jobs that produced output in this step
   tokens      tokens emitted in this step
   first       jobs whose first token came in this step (their prefill finished)
@@ -49,6 +51,7 @@ class StepTrace:
         except ImportError:
             pass
         self._pending: dict[str, Any] | None = None
+        self._written: dict[str, Any] | None = None  # the last line, held back until the next or the close
         # Filled by the worker's link thread (LinkThread.trace_handoffs): seconds each frame waited.
         self.handoff_waits: collections.deque[float] = collections.deque()
         self._started_jobs: set[Any] = set()  # jobs that have produced a token and not finished
@@ -99,16 +102,27 @@ class StepTrace:
             return
         now = time.perf_counter()
         self._pending["send_ms"] = round((now - self._step_end) * 1000, 3)
+        self._add_link_waits(self._pending)
+        self._last_end = now
+        self._write_held()
+        self._written, self._pending = self._pending, None
+
+    def _add_link_waits(self, line: dict[str, Any]) -> None:
         waits = [self.handoff_waits.popleft() for _ in range(len(self.handoff_waits))]
         if waits:
-            self._pending["link_ms"] = round(max(waits) * 1000, 3)
-            self._pending["link_frames"] = len(waits)
-        self._last_end = now
-        self._file.write(json.dumps(self._pending, separators=(",", ":")) + "\n")
-        self._pending = None
+            line["link_ms"] = max(line.get("link_ms", 0.0), round(max(waits) * 1000, 3))
+            line["link_frames"] = line.get("link_frames", 0) + len(waits)
+
+    def _write_held(self) -> None:
+        if self._written is not None:
+            self._file.write(json.dumps(self._written, separators=(",", ":")) + "\n")
+            self._written = None
 
     def close(self) -> None:
         self.after_send()
+        if self._written is not None:  # frames the link thread took after the last line was due
+            self._add_link_waits(self._written)
+        self._write_held()
         self._file.close()
 
 

@@ -1,0 +1,42 @@
+"""model_worker/step_trace.py: the lines a StepTrace writes, driven as the worker's serve loop drives
+it, with the link thread's hand-over waits put in as that thread puts them. Runs in the test
+process; no worker, no GPU."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from model_worker.step_trace import StepTrace
+
+
+def _step(trace: StepTrace, job: str, waits_taken_meanwhile: int) -> None:
+    trace.before_step()
+    trace.after_step([(job, 1, False)])
+    for _ in range(waits_taken_meanwhile):  # the link thread took earlier frames during this step
+        trace.handoff_waits.append(0.002)
+    trace.after_send()
+
+
+def test_every_frame_the_link_thread_took_is_counted_even_after_the_last_step(tmp_path: Path) -> None:
+    path = tmp_path / "trace.jsonl"
+    trace = StepTrace(str(path))
+    _step(trace, "a", 0)
+    _step(trace, "a", 1)  # the first step's frame
+    _step(trace, "a", 0)  # the link thread lags behind ...
+    # ... and takes the last three frames once the steps are over, before the trace closes.
+    trace.handoff_waits.extend([0.001, 0.004, 0.003])
+    trace.close()
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert len(lines) == 3 and all(line["step_ms"] >= 0 and line["jobs"] == 1 for line in lines)
+    assert [line.get("link_frames", 0) for line in lines] == [0, 1, 3]
+    assert lines[1]["link_ms"] == 2.0 and lines[2]["link_ms"] == 4.0
+    assert sum(line["tokens"] for line in lines) == 3 and sum(line["first"] for line in lines) == 1
+
+
+def test_a_trace_without_steps_writes_nothing(tmp_path: Path) -> None:
+    path = tmp_path / "trace.jsonl"
+    trace = StepTrace(str(path))
+    trace.handoff_waits.append(0.001)  # a heartbeat's frame: no step line to carry it
+    trace.close()
+    assert path.read_text() == ""
