@@ -77,7 +77,20 @@ THREADS_PATH = "gateway, torch threads"
 
 
 def processes_path(count: int) -> str:
-    return f"gateway, {count} processes"
+    return f"gateway, {count} process" + ("es" if count != 1 else "")
+
+
+def gateway_process_sizes(text: str) -> list[int]:
+    """`--gateway-processes 1,4`: distinct group sizes of at least one process."""
+    try:
+        sizes = [int(item) for item in text.split(",") if item.strip()]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 1 or len(set(sizes)) != len(sizes):
+        raise argparse.ArgumentTypeError(
+            f"expected distinct process counts of at least 1, like 1,4; got {text!r}"
+        )
+    return sizes
 
 
 def env_assignments(text: str) -> dict[str, str]:
@@ -262,12 +275,12 @@ def run_overhead(args: argparse.Namespace, report: dict[str, Any]) -> None:
     report["settings"]["engine_threads_pinned"] = args.pin_all
     report["settings"]["neighbours"] = [f"{n.period_ms:g} ms : {n.busy_us:g} us" for n in args.neighbours]
     log = args.out_dir / f"bench-{args.engine}.log"
-    several = args.gateway_processes
+    sizes = args.gateway_processes
     processes = contextlib.nullcontext(None)
-    if several:  # the same model behind several gateway processes on one port (cluster mode)
+    if sizes:  # the same model behind groups of gateway processes, each on one port (cluster mode)
         entry = registry_entry("m-procs", args.engine, args.model, [0], args)
-        processes = GatewayProcesses(entry, several, args.out_dir / "gateway-processes", env=gateway_env())
-        report["settings"]["gateway_processes"] = several
+        processes = GatewayProcesses(entry, sizes, args.out_dir / "gateway-processes", env=gateway_env())
+        report["settings"]["gateway_processes"] = sizes
     with (
         gateway(config, log) as gw,
         processes as procs,
@@ -277,7 +290,7 @@ def run_overhead(args: argparse.Namespace, report: dict[str, Any]) -> None:
         pids = {w["model"]: int(w["pid"]) for w in gw.workers()}
         if procs is not None:
             pids["m-procs"] = procs.worker_pid
-        gateway_pids = {processes_path(several): procs.gateway_pids} if procs is not None else {}
+        gateway_pids = {processes_path(size): procs.pids(size) for size in sizes} if procs is not None else {}
         report["worker_threads"] = {name: process_threads(pid) for name, pid in pids.items()}
         own, rest = split_cores()
         report["cpu"]["pinned"] = {"engine": sorted(own), "others": sorted(rest)}
@@ -325,9 +338,9 @@ def run_overhead(args: argparse.Namespace, report: dict[str, Any]) -> None:
             if args.admission_window_ms:
                 window_round = partial(http_round, gw.url, "m-window", texts, args.new_tokens, None)
                 run[WINDOW_PATH] = (window_round, pids.get("m-window"))
-            if procs is not None:
-                procs_round = partial(http_round, procs.url, "m-procs", texts, args.new_tokens, None)
-                run[processes_path(several)] = (procs_round, procs.worker_pid)
+            for size in sizes if procs is not None else ():
+                procs_round = partial(http_round, procs.url(size), "m-procs", texts, args.new_tokens, None)
+                run[processes_path(size)] = (procs_round, procs.worker_pid)
             for path, name, _ in SPLITS if args.split else ():
                 run[path] = (partial(http_round, gw.url, name, texts, args.new_tokens, None), pids.get(name))
             if args.peer:
@@ -361,8 +374,11 @@ def run_overhead(args: argparse.Namespace, report: dict[str, Any]) -> None:
                     row["neighbour_cpu_pct"] = round(100 * sum(neighbour_cpu) / seconds, 1)
                 if path == WINDOW_PATH and "gateway" in rounds:  # this worker against the default one
                     row.update({f"window_{k}": v for k, v in paired(done, rounds["gateway"]).items()})
-                if path in gateway_pids and "gateway" in rounds:  # several gateways against one
+                if path in gateway_pids and "gateway" in rounds:  # against the default gateway
                     row.update({f"processes_{k}": v for k, v in paired(done, rounds["gateway"]).items()})
+                one = processes_path(1)
+                if path in gateway_pids and path != one and one in rounds:  # the same worker, one process
+                    row.update({f"one_process_{k}": v for k, v in paired(done, rounds[one]).items()})
                 if path == ENV_PATH and "gateway" in rounds:  # the default worker against this one
                     row.update({f"default_{k}": v for k, v in paired(rounds["gateway"], done).items()})
                 worker_cpu = [r.worker_cpu_s for r in done if r.worker_cpu_s is not None]
@@ -409,7 +425,7 @@ def run_overhead(args: argparse.Namespace, report: dict[str, Any]) -> None:
                 args.save()
         report["worker"] = gw.workers()[0]["info"]
     # The gateways have stopped; the several processes' requests are in their own logs.
-    process_logs = sorted((args.out_dir / "gateway-processes").glob("gateway-processes-[0-9]*.log"))
+    process_logs = sorted((args.out_dir / "gateway-processes").glob("gateway-processes-*-*.log"))
     add_gateway_ttft(report["rows"], args.out_dir / f"bench-{args.engine}.log", *process_logs)
     for trace in traces.values():
         if trace is not None:
@@ -626,6 +642,11 @@ def markdown(report: dict[str, Any]) -> str:
             lines.append(f"| {r['streams']} streams: {r['path']} on one port / gateway, paired | tok/s "
                          f"{r['processes_paired_ratio']:.3f}; TTFT "
                          f"{r['processes_paired_ttft_added_ms']:+.1f} ms{within} | - |")  # fmt: skip
+        if "one_process_paired_ratio" in r:
+            within = _interval(r.get("one_process_paired_ttft_added_ms_ci95"), "+.1f", " to ")
+            lines.append(f"| {r['streams']} streams: {r['path']} / {processes_path(1)}, on one port each, "
+                         f"paired | tok/s {r['one_process_paired_ratio']:.3f}; TTFT "
+                         f"{r['one_process_paired_ttft_added_ms']:+.1f} ms{within} | - |")  # fmt: skip
         if "window_paired_ratio" in r:
             within = _interval(r.get("window_paired_ttft_added_ms_ci95"), "+.1f", " to ")
             window_ms = report["settings"]["admission_window_ms"]
@@ -717,11 +738,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--gateway-processes",
-        type=int,
-        default=0,
-        help="also the same model behind this many gateway processes on one port (cluster mode with "
-        "server.reuse_port, one listening worker; path 'gateway, N processes'), interleaved with the default "
-        "gateway and paired against it per round",
+        type=gateway_process_sizes,
+        default=[],
+        metavar="N[,N...]",
+        help="also the same model behind N gateway processes on one port, for each N (cluster mode with "
+        "server.reuse_port, every group in front of one listening worker; paths 'gateway, N processes'), "
+        "interleaved with the default gateway and paired against it per round, and against one process "
+        "when 1 is among them (the same worker and transport)",
     )
     parser.add_argument(
         "--admission-window-ms",

@@ -1,12 +1,15 @@
-"""Several gateway processes on one port in front of one listening worker, for the benchmarks.
+"""Groups of gateway processes, each group on one port, in front of one listening worker, for the
+benchmarks.
 
-Runs in the benchmark's process (bench/bench_engines.py `--gateway-processes N`), which starts and
+Runs in the benchmark's process (bench/bench_engines.py `--gateway-processes 1,4`), which starts and
 stops what it owns: a CURVE key pair for the gateways and one for the worker (`gateway keys`), a
 registry in cluster mode (`backend: static`, `server.reuse_port`), the worker
-(`model-worker --listen`, on the model's GPUs) and N gateways on one port, each with a log of its
-own. The kernel hands each new connection to one of the gateways, so a burst of requests is
-admitted by N event loops instead of one (docs/scale-out.md, "Several gateway processes on one
-port"). Nothing here is the product's: it is how an operator would run it by hand.
+(`model-worker --listen`, on the model's GPUs) and, for each size N asked for, N gateways on a port
+of their own, each with a log of its own. The kernel hands each new connection to one gateway of
+the port's group, so a burst of requests is admitted by N event loops instead of one
+(docs/scale-out.md, "Several gateway processes on one port"). Every group talks to the same worker
+over the same transport (tcp with CURVE), so one group against another measures the number of
+processes alone. Nothing here is the product's: it is how an operator would run it by hand.
 """
 
 from __future__ import annotations
@@ -25,26 +28,26 @@ READY_LINES = ("Running on", "-> ready")  # each gateway's log: it listens, and 
 
 
 class GatewayProcesses:
-    """`count` gateways on one port serving `entry` (a registry entry of ours) from one listening
-    worker. `url`, `worker_pid` and `gateway_pids` once entered."""
+    """For each size in `sizes`, that many gateways on a port of their own, all serving `entry` (a
+    registry entry of ours) from one listening worker. Once entered: `url(size)`, `pids(size)` and
+    `worker_pid`."""
 
     def __init__(
         self,
         entry: dict[str, Any],
-        count: int,
+        sizes: list[int],
         folder: Path,
         env: dict[str, str] | None = None,
         ready_timeout_s: float = 900.0,
     ) -> None:
-        if count < 1:
-            raise ValueError(f"gateway processes: {count} (at least 1)")
-        self.entry, self.count, self.folder = entry, count, folder
+        if not sizes or min(sizes) < 1 or len(set(sizes)) != len(sizes):
+            raise ValueError(f"gateway processes: {sizes} (distinct sizes of at least 1)")
+        self.entry, self.sizes, self.folder = entry, sizes, folder
         self.env = env or {}
         self.ready_timeout_s = ready_timeout_s
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.ports = {size: free_port() for size in sizes}
         self.worker: subprocess.Popen[bytes] | None = None
-        self.gateways: list[GatewayProcess] = []
+        self.groups: dict[int, list[GatewayProcess]] = {size: [] for size in sizes}
         self._stack = contextlib.ExitStack()
 
     @property
@@ -53,8 +56,14 @@ class GatewayProcesses:
         return self.worker.pid
 
     @property
-    def gateway_pids(self) -> list[int]:
-        return [gateway.pid for gateway in self.gateways]
+    def gateways(self) -> list[GatewayProcess]:
+        return [gateway for group in self.groups.values() for gateway in group]
+
+    def url(self, size: int) -> str:
+        return f"http://127.0.0.1:{self.ports[size]}"
+
+    def pids(self, size: int) -> list[int]:
+        return [gateway.pid for gateway in self.groups[size]]
 
     def registry(self, keys: Path, worker_port: int) -> Path:
         import yaml
@@ -99,12 +108,13 @@ class GatewayProcesses:
         log = self._stack.enter_context(open(self.folder / "gateway-processes-worker.log", "wb"))
         self.worker = subprocess.Popen(command, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)
         self._stack.callback(self._stop_worker)
-        for index in range(self.count):
-            gateway = GatewayProcess(
-                config, env=self.env, wait_ready=False, port=self.port,
-                log_path=self.folder / f"gateway-processes-{index}.log",
-            )  # fmt: skip
-            self.gateways.append(self._stack.enter_context(gateway))
+        for size, port in self.ports.items():
+            for index in range(size):
+                gateway = GatewayProcess(
+                    config, env=self.env, wait_ready=False, port=port,
+                    log_path=self.folder / f"gateway-processes-{size}-{index}.log",
+                )  # fmt: skip
+                self.groups[size].append(self._stack.enter_context(gateway))
         self._wait_until_ready()
 
     def _wait_until_ready(self) -> None:
@@ -122,9 +132,7 @@ class GatewayProcesses:
                 if all(line in gateway.log_path.read_text(errors="replace") for line in READY_LINES):
                     waiting.remove(gateway)
             if time.monotonic() > deadline:
-                raise RuntimeError(
-                    f"{len(waiting)} of {self.count} gateways not ready in {self.ready_timeout_s:g}s"
-                )
+                raise RuntimeError(f"{len(waiting)} gateways not ready in {self.ready_timeout_s:g}s")
             time.sleep(0.2)
 
     def _stop_worker(self) -> None:

@@ -20,6 +20,7 @@ from bench.bench_engines import (
     ENV_PATH,
     WINDOW_PATH,
     env_assignments,
+    gateway_process_sizes,
     markdown,
     pin_other_workers,
     processes_path,
@@ -31,6 +32,13 @@ def test_items_become_variables() -> None:
     parsed = env_assignments("MKL_NUM_THREADS=2, OMP_NUM_THREADS=4")
     assert parsed == {"MKL_NUM_THREADS": "2", "OMP_NUM_THREADS": "4"}
     assert env_assignments("EMPTY=") == {"EMPTY": ""}
+
+
+def test_gateway_process_sizes_are_distinct_counts() -> None:
+    assert gateway_process_sizes("1,4") == [1, 4] and gateway_process_sizes("2") == [2]
+    for bad in ("", "0", "1,1", "x", "2,-1"):
+        with pytest.raises(argparse.ArgumentTypeError, match="distinct process counts"):
+            gateway_process_sizes(bad)
 
 
 @pytest.mark.parametrize("text", ["", "NOVALUE", "=5", "A=1,B"])
@@ -101,7 +109,8 @@ def test_the_report_pairs_the_window_worker_and_the_neighbours_with_their_baseli
         {"path": WINDOW_PATH, "streams": 1, **summarize(window), **paired(window, raw),
          **{f"window_{k}": v for k, v in paired(window, gateway).items()}},
         {"path": processes_path(2), "streams": 1, **summarize(window), **paired(window, raw),
-         **{f"processes_{k}": v for k, v in paired(window, gateway).items()}},
+         **{f"processes_{k}": v for k, v in paired(window, gateway).items()},
+         **{f"one_process_{k}": v for k, v in paired(window, beside).items()}},
         {"path": "raw, neighbours", "streams": 1, **summarize(beside), **paired(beside, raw),
          "neighbour_cpu_pct": 5.0},
     ]  # fmt: skip
@@ -115,6 +124,9 @@ def test_the_report_pairs_the_window_worker_and_the_neighbours_with_their_baseli
     assert (
         "| 1 streams: gateway, 2 processes on one port / gateway, paired | tok/s 1.000; TTFT +0.0 ms" in text
     )
+    to_one = window[0].tok_s / beside[0].tok_s  # here "beside" stands in for the one-process rounds
+    one_line = "| 1 streams: gateway, 2 processes / gateway, 1 process, on one port each, paired | tok/s"
+    assert f"{one_line} {to_one:.3f}" in text
     ratio = gateway[0].tok_s / beside[0].tok_s  # every turn alike here
     assert f"| 1 streams: gateway / raw beside neighbours ['28 ms : 600 us'], paired | {ratio:.3f}" in text
     assert "| raw, neighbours, 1 streams: the neighbours' CPU, % of one core | 5.0 |" in text
