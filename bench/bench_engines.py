@@ -279,6 +279,9 @@ def run_overhead(args: argparse.Namespace, report: dict[str, Any]) -> None:
     processes = contextlib.nullcontext(None)
     if sizes:  # the same model behind groups of gateway processes, each on one port (cluster mode)
         entry = registry_entry("m-procs", args.engine, args.model, [0], args)
+        if args.processes_window_ms:  # the groups' worker gathers bursts, as the window worker does
+            entry["limits"]["admission_window_ms"] = args.processes_window_ms
+            report["settings"]["processes_admission_window_ms"] = args.processes_window_ms
         processes = GatewayProcesses(entry, sizes, args.out_dir / "gateway-processes", env=gateway_env())
         report["settings"]["gateway_processes"] = sizes
     with (
@@ -747,6 +750,14 @@ def main(argv: list[str] | None = None) -> int:
         "when 1 is among them (the same worker and transport)",
     )
     parser.add_argument(
+        "--processes-window-ms",
+        type=float,
+        default=0.0,
+        help="with --gateway-processes: limits.admission_window_ms of the groups' listening worker, so "
+        "that N processes against one are compared with the worker gathering bursts (the default "
+        "gateway's worker keeps no window)",
+    )
+    parser.add_argument(
         "--admission-window-ms",
         type=float,
         default=0.0,
@@ -774,6 +785,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--unpaged is exllamav2's paged: false")
     if args.split and args.engine != "exllamav3":
         parser.error("--split is exllamav3's layer split and tensor parallelism")
+    if args.processes_window_ms and not args.gateway_processes:
+        parser.error("--processes-window-ms sets the window of --gateway-processes' worker")
     args.streams = [int(s) for s in args.streams.split(",") if s]
     args.paths = args.paths.split(",")
     args.logprob_streams = [int(s) for s in args.logprob_streams.split(",") if s]

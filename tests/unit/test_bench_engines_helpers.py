@@ -21,6 +21,7 @@ from bench.bench_engines import (
     WINDOW_PATH,
     env_assignments,
     gateway_process_sizes,
+    main,
     markdown,
     pin_other_workers,
     processes_path,
@@ -32,6 +33,13 @@ def test_items_become_variables() -> None:
     parsed = env_assignments("MKL_NUM_THREADS=2, OMP_NUM_THREADS=4")
     assert parsed == {"MKL_NUM_THREADS": "2", "OMP_NUM_THREADS": "4"}
     assert env_assignments("EMPTY=") == {"EMPTY": ""}
+
+
+def test_a_window_for_the_process_groups_needs_the_groups(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as ended:
+        main(["--model", "unused", "--processes-window-ms", "8"])
+    assert ended.value.code == 2
+    assert "--processes-window-ms sets the window of --gateway-processes' worker" in capsys.readouterr().err
 
 
 def test_gateway_process_sizes_are_distinct_counts() -> None:
