@@ -176,14 +176,7 @@ def _advertised(listen: str, advertise: str | None) -> str:
 
 def _registration(args: argparse.Namespace, spec: WorkerSpec, public_key: bytes) -> RegistrationThread | None:
     """A started etcd registration when the registry says `server.cluster.backend: etcd`, else None."""
-    from model_worker.registration import (
-        Capacity,
-        Record,
-        Registration,
-        RegistrationConfigError,
-        RegistrationThread,
-        etcd_target,
-    )
+    from model_worker.etcd_target import RegistrationConfigError, etcd_target
 
     try:
         target = etcd_target(args.config)
@@ -191,6 +184,8 @@ def _registration(args: argparse.Namespace, spec: WorkerSpec, public_key: bytes)
         raise SystemExit(f"model-worker: {exc}") from None
     if target is None:
         return None
+    # The etcd client only here: a worker of another backend needs none installed.
+    from model_worker.registration import Capacity, Record, Registration, RegistrationThread
     from wire.messages import PROTOCOL_VERSION
 
     record = Record(
@@ -227,7 +222,7 @@ def _has_leader(args: argparse.Namespace) -> bool:
     registered in etcd stands by (anywhere else a standby worker would wait forever)."""
     if args.listen is None:
         return False
-    from model_worker.registration import RegistrationConfigError, etcd_target
+    from model_worker.etcd_target import RegistrationConfigError, etcd_target
 
     try:
         return etcd_target(args.config) is not None

@@ -4,6 +4,8 @@ field), and the address it advertises."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,15 +14,9 @@ import yaml
 from gateway.cluster.etcd_membership import worker_key as gateway_worker_key
 from gateway.cluster.membership import Capacity as GatewayCapacity
 from gateway.cluster.membership import WorkerRecord
+from model_worker.etcd_target import EtcdTarget, RegistrationConfigError, etcd_target
 from model_worker.main import _advertised
-from model_worker.registration import (
-    Capacity,
-    EtcdTarget,
-    Record,
-    RegistrationConfigError,
-    etcd_target,
-    worker_key,
-)
+from model_worker.registration import Capacity, Record, worker_key
 
 KEY = "rq:rM>}U?@Lns47E1%kR.o@n%FcmmsL/@{H8]yf7"
 
@@ -55,6 +51,20 @@ def test_the_worker_reads_etcd_from_the_registry_only_with_backend_etcd(tmp_path
     assert etcd_target(_registry(tmp_path, etcd)) == EtcdTarget(
         endpoints=["127.0.0.1:2379"], prefix="/x/", ttl_s=4, request_timeout_s=0.5
     )
+
+
+def test_a_worker_without_etcd_never_imports_its_client(tmp_path: Path) -> None:
+    """A listening worker of backend static runs where no etcd client is installed."""
+    static = _registry(tmp_path, {"cluster": {"backend": "static", "workers": []}})
+    probe = (
+        "import argparse, sys\n"
+        "from model_worker.main import _registration\n"
+        f"assert _registration(argparse.Namespace(config={str(static)!r}), None, b'') is None\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('aetcd', 'grpc')))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
 
 
 @pytest.mark.parametrize(
