@@ -79,6 +79,11 @@ class JobDesk:
         """Jobs are parked: the loop must keep turning (briefly) even with nothing to step."""
         return bool(self._parked)
 
+    @property
+    def held(self) -> int:
+        """Jobs held against the cap: running, compiling their constraint, or queued."""
+        return len(self.live) + len(self._parked) + len(self._queued)
+
     def load(self) -> WorkerLoad:
         """What the heartbeat reports: jobs held against the cap (`yours` is the link's to fill in),
         and how long it has held none (measured at heartbeats: within an interval)."""

@@ -174,6 +174,11 @@ class LinkThread:
         self._inbound.put(_WAKE)
 
     @property
+    def gateways(self) -> int:
+        """How many gateways share this worker now (1 for a worker connected to one gateway)."""
+        return 1 if self._peers is None else len(self._peers)
+
+    @property
     def waits(self) -> int:
         """How often a frame found a queue to the gateway full: a pause, never a loss."""
         return self._handover_waits + self._outbox.waits

@@ -54,6 +54,9 @@ LOADING_STATES = (WorkerState.STARTING, WorkerState.LOADING, WorkerState.WARMING
 # How long a full send queue may wait for the gateway before the worker gives up (the gateway's
 # own heartbeat timeout, 30 s by default, has declared it lost by then).
 SEND_PATIENCE_S = 60.0
+# Gateways that share a listening worker admit by the load it reports (gateway.serving.router): a
+# change in the jobs it holds is reported at once, at most this often, not a heartbeat later.
+LOAD_REPORT_GAP_S = 0.01
 
 
 class Worker:
@@ -283,15 +286,19 @@ class Worker:
     def _loop(
         self, engine: Engine, jobs: JobDesk, embeddings: EmbeddingBatch, trace: StepTrace | None
     ) -> None:
-        last_heartbeat = 0.0
+        last_heartbeat = last_report = 0.0
+        reported_held = 0  # the jobs held, as the last heartbeat told the gateways
         interval_s = self.spec.heartbeat_interval_s
         link, handlers = self.link, self._handlers
         window_s = self.spec.admission_window_s
         while True:
             # Never wait for messages while jobs are active; wait only when idle (and only briefly
-            # while a job waits for its constraint to compile in the compiler process).
+            # while a job waits for its constraint to compile in the compiler process, or a change
+            # of load waits for its report).
             idle = not engine.has_work()
             timeout_s = 0.0 if not idle else (0.005 if jobs.waiting else interval_s)
+            if idle and jobs.held != reported_held and link.gateways > 1:
+                timeout_s = min(timeout_s, max(last_report + LOAD_REPORT_GAP_S - time.monotonic(), 0.0))
             for item in link.take(timeout_s):
                 handlers[type(item)](item)
             if idle and window_s and engine.has_work():
@@ -318,8 +325,15 @@ class Worker:
                 self._announce_draining = False
                 if self.state is not WorkerState.DRAINING:
                     self.move_to(WorkerState.DRAINING, "shutting down")  # the gateway stops routing to us
-            if now - last_heartbeat >= interval_s:
-                last_heartbeat = now
+            heartbeat_due = now - last_heartbeat >= interval_s
+            if not heartbeat_due and jobs.held != reported_held and link.gateways > 1:
+                # Several gateways admit by this worker's load: each hears of the others' jobs now.
+                if now - last_report >= LOAD_REPORT_GAP_S:
+                    last_report, reported_held = now, jobs.held
+                    self._send(wire.Heartbeat(self.state, engine.stats(), jobs.load()))
+            if heartbeat_due:
+                last_heartbeat = last_report = now
+                reported_held = jobs.held
                 if self._handshake is not None and self._handshake.refused():
                     logger.error("the gateway at %s refused this worker's CURVE key; exiting", self.endpoint)
                     return

@@ -75,7 +75,9 @@ class WorkerHandle:
     def slot_limit(self, configured: int) -> int:
         """How many jobs this gateway may have on the worker now: `max_concurrent_jobs`, or for a
         worker with a cap of its own (shared by several gateways) that cap less what the others hold.
-        The figures are a heartbeat old; the worker refuses what would still exceed its cap."""
+        The figures are as of the worker's last report: a heartbeat, or, while several gateways
+        share it, a report sent as soon as the jobs it holds change (model_worker.serve_loop); the
+        worker refuses what would still exceed its cap."""
         load = self.load
         if load is None or load.max_jobs == 0:
             return configured

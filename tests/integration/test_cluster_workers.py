@@ -38,7 +38,9 @@ MAX_JOBS, WORKER_QUEUE = 2, 1
 
 
 class Cluster:
-    def __init__(self, root: Path, model_dir: Path) -> None:
+    def __init__(
+        self, root: Path, model_dir: Path, worker_queue: int = WORKER_QUEUE, **server: object
+    ) -> None:
         self.root = root
         self.keys = root / "keys"
         subprocess.run(
@@ -49,13 +51,13 @@ class Cluster:
         self.port = free_port()
         limits = {
             "max_concurrent_jobs": MAX_JOBS,
-            "worker_queued_jobs": WORKER_QUEUE,
+            "worker_queued_jobs": worker_queue,
             "max_queued_requests": 16,
         }
         self.config = write_registry(
             root / "models.yaml",
             [demo_entry("shared", model_dir, remote=True, limits=limits)],
-            heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S,
+            **{"heartbeat_timeout_s": HEARTBEAT_TIMEOUT_S, **server},
             cluster={
                 "backend": "static",
                 "secret_key_file": str(self.keys / "gateway.key_secret"),
@@ -331,3 +333,40 @@ def test_a_killed_gateway_leaves_the_worker_serving_and_its_jobs_cancelled(
         survivor.url + "/v1/completions", json={"model": "shared", "prompt": "hi", "max_tokens": 3}
     )
     assert reply.status_code == 200
+
+
+def test_gateways_hear_of_each_others_jobs_at_once_not_a_heartbeat_later(
+    tmp_path: Path, demo_model_dir: Path
+) -> None:
+    """Each gateway admits by the load the shared worker reports; with heartbeats 30 s apart, a
+    change in the jobs it holds still reaches every gateway at once. So a request at one gateway
+    while the other fills the worker waits in its gateway (no 429 from a worker it thought free),
+    and starts as soon as the other's jobs end, not at the next heartbeat."""
+    cluster = Cluster(
+        tmp_path, demo_model_dir, worker_queue=0, heartbeat_interval_s=30.0, heartbeat_timeout_s=90.0
+    )
+    worker = cluster.start_worker()
+    try:
+        with GatewayProcess(cluster.config) as busy, GatewayProcess(cluster.config) as other:
+            filling = [Stream(busy, 200) for _ in range(MAX_JOBS)]
+            for stream in filling:
+                stream.start()
+            for stream in filling:
+                assert stream.started.wait(60) and stream.status == 200, stream.error
+            # Well within the 30 s heartbeat interval: the worker reported the change itself.
+            wait_until(
+                lambda: _others(_load(other)) == MAX_JOBS, "the other gateway's jobs in the load",
+                timeout=10.0, poll_s=0.05, context=cluster.worker_log,
+            )  # fmt: skip
+            late = Stream(other, 4)
+            late.start()
+            for stream in filling:
+                stream.join(120)
+                assert stream.finished and stream.completion_tokens() == 200, (stream.error, stream.data[-2:])
+            late.join(15.0)  # the worker's next heartbeat is 30 s away: this is its own report
+            assert not late.is_alive(), "the waiting request did not start once the worker had room"
+            assert late.status == 200 and late.finished and late.completion_tokens() == 4, late.error
+            assert _others(_load(other)) == 0
+    finally:
+        worker.terminate()
+        worker.wait(60)
