@@ -15,6 +15,7 @@ processes alone. Nothing here is the product's: it is how an operator would run 
 from __future__ import annotations
 
 import contextlib
+import shutil
 import subprocess
 import sys
 import time
@@ -90,6 +91,7 @@ class GatewayProcesses:
 
     def _start(self) -> None:
         keys = self.folder / "keys"
+        shutil.rmtree(keys, ignore_errors=True)  # an earlier run's: `gateway keys` never overwrites
         subprocess.run(
             [sys.executable, "-m", "gateway", "keys", str(keys), "--name", "gateway", "--name", "worker"],
             check=True, cwd=REPO_ROOT, capture_output=True,

@@ -8,10 +8,13 @@ the benchmark's own client (bench/streams.py) drives them.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 from bench.gateway_processes import GatewayProcesses
 from bench.streams import http_round
+from tests.harness import REPO_ROOT
 from tests.integration.conftest import demo_entry
 
 STREAMS = 16  # connections all on one of two gateways: a chance of 2 in 2**16
@@ -24,6 +27,9 @@ def _served(log: Path) -> int:
 def test_each_group_serves_its_port_from_the_one_worker(tmp_path: Path, demo_model_dir: Path) -> None:
     limits = {"max_concurrent_jobs": STREAMS, "max_queued_requests": 64}
     entry = demo_entry("procs", demo_model_dir, limits=limits)
+    # An earlier run's keys in the folder (a second run on the same host) are replaced.
+    subprocess.run([sys.executable, "-m", "gateway", "keys", str(tmp_path / "keys"), "--name", "gateway"],
+                   check=True, cwd=REPO_ROOT, capture_output=True)  # fmt: skip
     with GatewayProcesses(entry, [1, 2], tmp_path, ready_timeout_s=120) as processes:
         assert len(processes.pids(1)) == 1 and len(set(processes.pids(2))) == 2
         assert processes.url(1) != processes.url(2)
