@@ -278,7 +278,9 @@ def run_overhead(args: argparse.Namespace, report: dict[str, Any]) -> None:
     sizes = args.gateway_processes
     processes = contextlib.nullcontext(None)
     if sizes:  # the same model behind groups of gateway processes, each on one port (cluster mode)
-        entry = registry_entry("m-procs", args.engine, args.model, [0], args)
+        trace_path = args.out_dir / f"trace-{args.engine}-gateway-processes.jsonl"
+        procs_env = {TRACE_VARIABLE: str(trace_path)} if args.trace else None
+        entry = registry_entry("m-procs", args.engine, args.model, [0], args, procs_env)
         if args.processes_window_ms:  # the groups' worker gathers bursts, as the window worker does
             entry["limits"]["admission_window_ms"] = args.processes_window_ms
             report["settings"]["processes_admission_window_ms"] = args.processes_window_ms
