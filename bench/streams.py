@@ -98,6 +98,9 @@ def raw_round(
                                  sampler=exllamav3.ArgmaxSampler())  # fmt: skip
 
     steps: list[float] = []
+    ingested: dict[Any, int] = {}  # each job's prompt tokens prefilled, from the library's reports
+    if trace is not None:
+        trace.count_prefill(lambda: sum(ingested.values()))
     for i, prompt in enumerate(prompts):
         streams[i].started = time.perf_counter()
         generator.enqueue(job(i, torch.tensor([prompt], dtype=torch.long)))
@@ -110,6 +113,8 @@ def raw_round(
         steps.append(now - started)
         emitted = []
         for result in results:
+            if result["stage"] == "prefill":
+                ingested[result["identifier"]] = int(result.get("curr_progress", 0))
             if result["stage"] == "streaming" and "token_ids" in result:
                 count = int(result["token_ids"].shape[-1])
                 streams[result["identifier"]].token_times += [now] * count
@@ -131,6 +136,8 @@ def engine_round(engine: Any, prompts: list[list[int]], new_tokens: int, trace: 
         stream.started = time.perf_counter()
         engine.submit(rid, prompt, params)
     steps: list[float] = []
+    if trace is not None:
+        trace.count_prefill(engine.prefill_tokens)
     while engine.has_work():
         if trace is not None:
             trace.before_step()

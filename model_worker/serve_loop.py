@@ -30,7 +30,7 @@ from pydantic import ValidationError
 from model_worker.chat_template import ChatTemplate
 from model_worker.embedding_batch import EmbeddingBatch
 from model_worker.engines import registry
-from model_worker.engines.base import Engine, missing_capabilities
+from model_worker.engines.base import CountsPrefill, Engine, missing_capabilities
 from model_worker.gateway_peers import GatewayPeers
 from model_worker.handshake_watch import HandshakeWatch
 from model_worker.jobs import JobDesk
@@ -275,6 +275,8 @@ class Worker:
         trace = StepTrace.from_environment()  # None unless GATEWAY_STEP_TRACE names a file
         if trace is not None:
             self.link.trace_handoffs(trace.handoff_waits)
+            if isinstance(engine, CountsPrefill):
+                trace.count_prefill(engine.prefill_tokens)
         try:
             self._loop(engine, jobs, embeddings, trace)
         finally:

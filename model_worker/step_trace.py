@@ -20,6 +20,9 @@ Each line is one iteration that stepped the engine:
   jobs        jobs that produced output in this step
   tokens      tokens emitted in this step
   first       jobs whose first token came in this step (their prefill finished)
+  prefill     prompt tokens the engine ingested by prefill in this step (engines that count them:
+              model_worker.engines.base.CountsPrefill; for the exllama libraries, from their
+              progress reports, where a prefix found in their cache counts in a job's first report)
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import collections
 import json
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import IO, Any
 
 TRACE_VARIABLE = "GATEWAY_STEP_TRACE"
@@ -55,13 +58,22 @@ class StepTrace:
         # Filled by the worker's link thread (LinkThread.trace_handoffs): seconds each frame waited.
         self.handoff_waits: collections.deque[float] = collections.deque()
         self._started_jobs: set[Any] = set()  # jobs that have produced a token and not finished
+        self._prefill_counter: Callable[[], int] | None = None
+        self._prefilled_before = 0
 
     @classmethod
     def from_environment(cls) -> StepTrace | None:
         path = os.environ.get(TRACE_VARIABLE)
         return cls(path) if path else None
 
+    def count_prefill(self, counter: Callable[[], int]) -> None:
+        """Lines from now on say how many prompt tokens each step prefilled: the rise of
+        `counter()` (a running total of prompt tokens ingested) across the step."""
+        self._prefill_counter = counter
+
     def before_step(self) -> None:
+        if self._prefill_counter is not None:
+            self._prefilled_before = self._prefill_counter()
         self._step_start = time.perf_counter()
         if self._torch is not None:
             start, end = (self._torch.cuda.Event(enable_timing=True) for _ in range(2))
@@ -88,6 +100,8 @@ class StepTrace:
             "tokens": sum(tokens for _, tokens, _ in outputs),
             "first": first_tokens,
         }
+        if self._prefill_counter is not None:
+            line["prefill"] = self._prefill_counter() - self._prefilled_before
         if self._events is not None:
             start, end = self._events
             end.record()

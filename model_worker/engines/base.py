@@ -164,6 +164,13 @@ class WarmsBatches(Protocol):
         """Prompt tokens one step prefills at most: the largest warm-up batch fills more."""
 
 
+@runtime_checkable
+class CountsPrefill(Protocol):
+    def prefill_tokens(self) -> int:
+        """Prompt tokens ingested by prefill since the engine loaded, as its library reports its
+        progress (the per-step trace reads it around each step)."""
+
+
 # Request parameters that only an engine with the capability can honour.
 CAPABILITY_OF_PARAMETER: dict[str, type] = {"prompt_logprobs": ScoresPrompts}
 

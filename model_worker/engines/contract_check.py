@@ -11,7 +11,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from model_worker.engines.base import Embeds, Engine, PreparesConstraints, ScoresPrompts, WarmsBatches
+    from model_worker.engines.base import (
+        CountsPrefill,
+        Embeds,
+        Engine,
+        PreparesConstraints,
+        ScoresPrompts,
+        WarmsBatches,
+    )
     from model_worker.engines.exllamav2.engine import ExLlamaV2Engine
     from model_worker.engines.exllamav3.engine import ExLlamaV3Engine
     from model_worker.engines.transformers.embedding import EmbeddingEngine
@@ -25,4 +32,5 @@ if TYPE_CHECKING:
         preparers: list[PreparesConstraints] = [v2, hf]
         embedders: list[Embeds] = [embedder]
         batch_warmers: list[WarmsBatches] = [v2, v3]
-        del generators, scorers, preparers, embedders, batch_warmers
+        prefill_counters: list[CountsPrefill] = [v2, v3, hf]
+        del generators, scorers, preparers, embedders, batch_warmers, prefill_counters

@@ -31,6 +31,7 @@ class GeneratorJob:
     prompt_tokens: int
     take: TakeEntries | None  # its logprob entries, when it asked for logprobs
     include_stop_str: bool = False
+    ingested: int = 0  # prompt tokens its library's last prefill report said it had ingested
 
 
 class LibraryCodec:
@@ -75,7 +76,7 @@ class DynamicGeneratorEngine:
         self._pieces: list[str] = []
         self._logprobs: StepLogprobs | None = None
         self._jobs_per_step = 0.0
-        self._counters = {"steps": 0, "tokens": 0, "finished": 0, "cancelled": 0}
+        self._counters = {"steps": 0, "tokens": 0, "finished": 0, "cancelled": 0, "prefill_tokens": 0}
         self._texts = TokenTexts(self.decode)
 
     def warmup_batches(self) -> list[int]:
@@ -88,6 +89,11 @@ class DynamicGeneratorEngine:
 
     def prefill_chunk_tokens(self) -> int:
         return int(self.settings.max_chunk_size)
+
+    def prefill_tokens(self) -> int:
+        """From the libraries' "prefill" results (their progress over the job's prompt); a prefix
+        they found in their cache counts in the job's first report."""
+        return self._counters["prefill_tokens"]
 
     # ---- hooks for each engine -------------------------------------------------------------------
 
@@ -170,6 +176,10 @@ class DynamicGeneratorEngine:
         for result in results:
             self._check_result(result)
             state = self._jobs.get(str(result.get("identifier")))
+            if result["stage"] == "prefill" and state is not None:
+                progress = int(result.get("curr_progress", 0))
+                self._counters["prefill_tokens"] += max(progress - state.ingested, 0)
+                state.ingested = progress
             if result["stage"] != "streaming" or state is None:
                 continue
             rid = result["identifier"]

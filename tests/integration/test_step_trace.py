@@ -1,6 +1,6 @@
 """The worker's per-step trace (GATEWAY_STEP_TRACE in a model's `env`): one JSON line per engine
-step, with the step's time, its jobs and tokens, the loop's time around it, and how long each Step
-frame waited before the link thread took it.
+step, with the step's time, its jobs, tokens and prompt tokens prefilled, the loop's time around
+it, and how long each Step frame waited before the link thread took it.
 
 Runs in the pytest process against one real gateway with the transformers demo model; the trace is
 the file the worker writes.
@@ -29,16 +29,21 @@ def test_every_step_of_a_stream_is_traced_with_the_link_threads_wait(
         tmp_path / "models.yaml", [demo_entry("m", demo_model_dir, env={"GATEWAY_STEP_TRACE": str(trace)})]
     )
     with GatewayProcess(config) as gw:
-        body = {"model": "m", "prompt": "hello", "max_tokens": TOKENS, "ignore_eos": True, "stream": True}
+        body = {"model": "m", "prompt": "hello there, how are you", "max_tokens": TOKENS, "ignore_eos": True,
+                "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
         with httpx.stream("POST", gw.url + "/v1/completions", json=body, timeout=60) as response:
             assert response.status_code == 200
             chunks = [line for line in response.iter_lines() if line.startswith("data: {")]
         assert len(chunks) >= 1
+        prompt_tokens = json.loads(chunks[-1][len("data: ") :])["usage"]["prompt_tokens"]
         # The trace is buffered in the worker: a stop closes it.
     lines = wait_until(lambda: trace.exists() and trace.read_text().splitlines(), "the trace's lines")
     steps = [json.loads(line) for line in lines]
     assert sum(step["tokens"] for step in steps) == TOKENS
     assert sum(step["first"] for step in steps) == 1
+    # The demo engine prefills the whole prompt, in the step that gives the first token.
+    assert [step["prefill"] for step in steps if step["first"]] == [prompt_tokens] and prompt_tokens > 1
+    assert sum(step["prefill"] for step in steps) == prompt_tokens
     assert all(step["jobs"] == 1 and step["step_ms"] > 0 for step in steps)
     assert all(step["outside_ms"] is None or step["outside_ms"] >= 0 for step in steps)
     # A step's frame is taken after its line is written, so its wait shows on a later line (one

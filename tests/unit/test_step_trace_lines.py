@@ -40,3 +40,19 @@ def test_a_trace_without_steps_writes_nothing(tmp_path: Path) -> None:
     trace.handoff_waits.append(0.001)  # a heartbeat's frame: no step line to carry it
     trace.close()
     assert path.read_text() == ""
+
+
+def test_each_line_says_how_many_prompt_tokens_its_step_prefilled(tmp_path: Path) -> None:
+    path = tmp_path / "trace.jsonl"
+    trace = StepTrace(str(path))
+    ingested = [0]
+    trace.count_prefill(lambda: ingested[0])
+    for prefilled, outputs in ((2048, []), (700, [("a", 1, False)]), (0, [("a", 1, True)])):
+        trace.before_step()
+        ingested[0] += prefilled  # what the engine read of the prompt during the step
+        trace.after_step(outputs)
+        trace.after_send()
+    trace.close()
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [line["prefill"] for line in lines] == [2048, 700, 0]
+    assert [line["first"] for line in lines] == [0, 1, 0]

@@ -87,6 +87,7 @@ class TransformersEngine:
         self._steps = 0
         self._jobs_per_step = 0.0
         self._generated_tokens = 0
+        self._prefilled_tokens = 0
         self._finished = 0
         self._cancelled = 0
         self._texts = TokenTexts(self.decode)
@@ -144,6 +145,10 @@ class TransformersEngine:
         self._model = None
         if self._device.type == "cuda":
             torch.cuda.empty_cache()
+
+    def prefill_tokens(self) -> int:
+        """Prompt tokens its prefill chunks have read."""
+        return self._prefilled_tokens
 
     def stats(self) -> EngineStats:
         held = sum(job.cache.get_seq_length() for job in self._active.values() if job.cache is not None)
@@ -300,6 +305,7 @@ class TransformersEngine:
                     ids = job.prompt_ids[job.prefilled : job.prefilled + chunk]
                     logits = self._forward(job, ids, job.prefilled)
                     job.prefilled += len(ids)
+                    self._prefilled_tokens += len(ids)
                     if job.prefilled < prompt_len:
                         continue
                 else:
