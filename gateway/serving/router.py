@@ -4,11 +4,10 @@ Runs in the gateway process, on its asyncio loop. Owns, per model, the count of 
 for a slot and the rule that picks a replica: the ready one with the least outstanding work.
 A request takes a slot (one of `max_concurrent_jobs` per replica) before it is sent to a worker;
 beyond that it waits in a bounded queue, served by priority class (gateway.serving.priority);
-beyond that it is refused at once with 429/503. A worker that several gateways share reports in
-its heartbeats the jobs it holds against its own cap, and which are ours (at once when they change,
-while several gateways share it): its slots here are its
-cap less the other gateways' jobs, and their jobs count in its load, so N gateways never put N
-times its capacity on it.
+beyond that it is refused at once with 429/503. A worker that several gateways share reports the
+jobs it holds against its own cap, and which are ours, in its heartbeats and at once whenever they
+change: its slots here are its cap less the other gateways' jobs, and their jobs count in its load,
+so N gateways never put N times its capacity on it.
 """
 
 from __future__ import annotations
