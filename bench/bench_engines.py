@@ -24,9 +24,9 @@ import os
 import platform
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +55,22 @@ PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time, in a sm
 def prompts(count: int) -> list[str]:
     """Distinct prompts of one length, so no stream reuses another's cached prefix."""
     return [f"Stream {i:03d}. {PROMPT}" for i in range(count)]
+
+
+class PromptSource:
+    """A level's prompts for each round: the same ones every round (the default, as earlier runs
+    sent them), or with `fresh` new ones every round, so that no round finds its prompts in the
+    engine's cache from an earlier one (exllamav3 prefilled 64 repeated 151-token prompts in 190 ms,
+    64 new ones in 1.8 s)."""
+
+    def __init__(self, count: int, fresh: bool) -> None:
+        self.count, self.fresh, self.rounds = count, fresh, 0
+
+    def texts(self) -> list[str]:
+        if not self.fresh:
+            return prompts(self.count)
+        self.rounds += 1
+        return [f"Stream {i:03d}, round {self.rounds:04d}. {PROMPT}" for i in range(self.count)]
 
 
 # --split: (path, registry name, engine settings over GPUs 0 and 1). The layer split is given GB per GPU,
@@ -269,6 +285,7 @@ def run_overhead(args: argparse.Namespace, report: dict[str, Any]) -> None:
         entry["engine_settings"].update(split)
         models.append(entry)
     config = write_registry(args.out_dir / "bench.yaml", models)
+    report["settings"]["fresh_prompts"] = args.fresh_prompts
     report["settings"]["raw_threads"] = args.raw_threads
     report["settings"]["torch_default_threads"] = default_threads
     report["cpu"] = topology()
@@ -310,12 +327,21 @@ def run_overhead(args: argparse.Namespace, report: dict[str, Any]) -> None:
 
         torch.set_num_threads(args.raw_threads)
         for count in args.streams:
-            texts = prompts(count)
-            ids = [engine.encode(text, True) for text in texts]
+            source = PromptSource(count, args.fresh_prompts)
+
+            def http(url: str, model: str, source: PromptSource = source) -> Callable[[], Round]:
+                return lambda: http_round(url, model, source.texts(), args.new_tokens, None)
+
+            def ids(source: PromptSource = source) -> list[list[int]]:
+                return [engine.encode(text, True) for text in source.texts()]
+
             run = {
-                "raw": (partial(raw, ids, args.raw_threads), None),
-                "engine": (partial(engine_round, engine, ids, args.new_tokens, traces["engine"]), None),
-                "gateway": (partial(http_round, gw.url, "m", texts, args.new_tokens, None), pids.get("m")),
+                "raw": (lambda ids=ids: raw(ids(), args.raw_threads), None),
+                "engine": (
+                    lambda ids=ids: engine_round(engine, ids(), args.new_tokens, traces["engine"]),
+                    None,
+                ),
+                "gateway": (http(gw.url, "m"), pids.get("m")),
             }
             # Every process of the run away from the engine's own core, idle workers included.
             everyone_else = {
@@ -332,27 +358,18 @@ def run_overhead(args: argparse.Namespace, report: dict[str, Any]) -> None:
             if args.neighbours:
                 run["raw, neighbours"] = (beside_neighbours(run["raw"][0], neighbours), None)
             if args.compare_threads:
-                run["raw, torch threads"] = (partial(raw, ids, default_threads), None)
-                run[THREADS_PATH] = (
-                    partial(http_round, gw.url, "m-threads", texts, args.new_tokens, None),
-                    pids.get("m-threads"),
-                )
+                run["raw, torch threads"] = (lambda ids=ids: raw(ids(), default_threads), None)
+                run[THREADS_PATH] = (http(gw.url, "m-threads"), pids.get("m-threads"))
             if args.compare_env:
-                env_round = partial(http_round, gw.url, "m-env", texts, args.new_tokens, None)
-                run[ENV_PATH] = (env_round, pids.get("m-env"))
+                run[ENV_PATH] = (http(gw.url, "m-env"), pids.get("m-env"))
             if args.admission_window_ms:
-                window_round = partial(http_round, gw.url, "m-window", texts, args.new_tokens, None)
-                run[WINDOW_PATH] = (window_round, pids.get("m-window"))
+                run[WINDOW_PATH] = (http(gw.url, "m-window"), pids.get("m-window"))
             for size in sizes if procs is not None else ():
-                procs_round = partial(http_round, procs.url(size), "m-procs", texts, args.new_tokens, None)
-                run[processes_path(size)] = (procs_round, procs.worker_pid)
+                run[processes_path(size)] = (http(procs.url(size), "m-procs"), procs.worker_pid)
             for path, name, _ in SPLITS if args.split else ():
-                run[path] = (partial(http_round, gw.url, name, texts, args.new_tokens, None), pids.get(name))
+                run[path] = (http(gw.url, name), pids.get(name))
             if args.peer:
-                run["peer"] = (
-                    partial(http_round, args.peer, args.peer_model, texts, args.new_tokens, None),
-                    None,
-                )
+                run["peer"] = (http(args.peer, args.peer_model), None)
             if args.pin_all:  # the other workers' rounds too: each engine thread on the same core
                 pin_other_workers(run, everyone_else, own, tuple(gateway_pids))
             paths = [path for path in run if path.split(",")[0] in args.paths or path.startswith("peer")]
@@ -699,6 +716,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3, help="measured rounds per level and path")
     parser.add_argument("--max-seq-len", type=int, default=4096)
     parser.add_argument("--cache-size", type=int, default=65536, help="KV cache tokens, both paths")
+    parser.add_argument("--fresh-prompts", action="store_true",
+                        help="new prompts in every round, none found in the engines' caches from an "
+                        "earlier one (default: the same prompts every round)")  # fmt: skip
     parser.add_argument(
         "--mixed-model", help="two GPUs: an exllamav3 model for GPU 1 (exllamav2 --model on 0)"
     )

@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 for _variable in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(_variable, "1")
 
+from bench.bench_engines import prompts as engines_prompts  # noqa: E402
 from model_worker.engines.registry import create_engine  # noqa: E402
 from model_worker.warmup import warm_up  # noqa: E402
 from wire.params import SamplingParams  # noqa: E402
@@ -98,6 +99,12 @@ def main() -> None:
     parser.add_argument("--warm-up", choices=("worker", "none"), default="worker")
     parser.add_argument("--shapes", type=burst_shapes, default=burst_shapes(DEFAULT_SHAPES))
     parser.add_argument("--new-tokens", type=int, default=4)
+    parser.add_argument("--prompts", choices=("fresh", "engines"), default="fresh",
+                        help="fresh: new text in every burst; engines: bench_engines.py's prompts, the same "
+                        "in every sweep (as its rounds send them)")  # fmt: skip
+    parser.add_argument(
+        "--repeat-prompts", action="store_true", help="the second sweep repeats the first's prompts"
+    )
     parser.add_argument("--keep-triton-cache", action="store_true", help="use Triton's usual disk cache")
     parser.add_argument("--out", type=Path, default=None, help="write the figures as JSON here")
     args = parser.parse_args()
@@ -127,9 +134,14 @@ def main() -> None:
     for sweep in range(2):
         figures = {}
         for jobs, length in args.shapes:
-            # Text, each prompt with its own start: no prefix is shared with another.
-            prompts = [(engine.encode(f"Burst {sweep}-{jobs}x{length}, job {i}. ", True) + filler)[:length]
-                       for i in range(jobs)]  # fmt: skip
+            round_tag = 0 if args.repeat_prompts else sweep
+            if args.prompts == "engines":  # bench_engines.py's own prompts, cut to the length
+                prompts = [engine.encode(text, True)[:length] for text in engines_prompts(jobs)]
+            else:  # text, each prompt with its own start: no prefix is shared with another
+                starts = [
+                    engine.encode(f"Burst {round_tag}-{jobs}x{length}, job {i}. ", True) for i in range(jobs)
+                ]
+                prompts = [(start + filler)[:length] for start in starts]
             shape = f"{jobs}x{length}"
             figures[shape] = run_burst(engine, prompts, args.new_tokens, f"s{sweep}-{shape}")
             figures[shape]["compiled"] = compiled_kernels(cache_dir, seen)
@@ -152,7 +164,8 @@ def main() -> None:
         report = {"engine": args.engine, "warm_up": args.warm_up, "warm_up_s": round(warm_s, 2),
                   "load_s": round(load_s, 2), "compiled_before_bursts": before_bursts,
                   "settings": settings, "max_seq_len": args.max_seq_len,
-                  "new_tokens": args.new_tokens, "fresh_triton_cache": not args.keep_triton_cache,
+                  "new_tokens": args.new_tokens, "prompts": args.prompts,
+                  "repeat_prompts": args.repeat_prompts, "fresh_triton_cache": not args.keep_triton_cache,
                   "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "shapes": rows}  # fmt: skip
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=1) + "\n")

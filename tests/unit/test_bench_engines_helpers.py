@@ -3,7 +3,8 @@ the command line, a malformed item refused with what was given) and the gateway-
 token read back from the access logs by the client's request ids (bench/access_log.py; several
 gateway processes each write their own), the report's lines for the admission-window worker, the
 several gateway processes and the neighbours, and `--pin-all` placing every worker's engine thread,
-not only the default one's. Runs in the test process (and one sleeping child, as a worker to place)."""
+not only the default one's, and the prompts of each round (the same, or fresh with
+`--fresh-prompts`). Runs in the test process (and one sleeping child, as a worker to place)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from bench.access_log import add_gateway_ttft, ttft_by_round
 from bench.bench_engines import (
     ENV_PATH,
     WINDOW_PATH,
+    PromptSource,
     env_assignments,
     gateway_process_sizes,
     main,
@@ -170,3 +172,15 @@ def test_pin_all_puts_every_workers_engine_thread_on_the_engines_core() -> None:
             assert os.sched_getaffinity(worker.pid) == set(cpus)  # free again after each round
         finally:
             worker.kill()
+
+
+def test_fresh_prompts_are_new_in_every_round_and_the_default_ones_repeat() -> None:
+    repeated = PromptSource(4, fresh=False)
+    assert repeated.texts() == repeated.texts()
+    fresh = PromptSource(4, fresh=True)
+    rounds = [fresh.texts() for _ in range(3)]
+    assert all(len(texts) == 4 for texts in rounds)
+    every = [text for texts in rounds for text in texts]
+    assert len(set(every)) == len(every)  # no round, and no stream, repeats another's prompt
+    # Each stream's prompt starts with its own text, so none shares a cached prefix with another.
+    assert len({text.split(".")[0] for text in rounds[0]}) == 4
