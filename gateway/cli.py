@@ -184,7 +184,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="also listen on this port, for this process alone: where gateways share --port "
-        "(server.reuse_port), /metrics and /admin/* there answer for whichever takes the connection",
+        "(server.reuse_port), /metrics and /admin/* there answer for whichever takes the connection; "
+        "at most 32 connections on it, 8 from one address",
     )
     serve.add_argument(
         "--log-format",

@@ -32,6 +32,10 @@ from gateway.http.connections import (
 )
 
 logger = logging.getLogger(__name__)
+# `--own-port` serves one process's metrics scrapes and admin calls, never the traffic of the shared
+# port: a small cap of its own, so that it adds few descriptors to `max_connections`.
+OWN_PORT_MAX_CONNECTIONS = 32
+OWN_PORT_MAX_PER_CLIENT = 8
 
 
 async def _drain(gateway: Gateway, grace_s: float) -> None:
@@ -59,12 +63,11 @@ async def run_server(registry: Registry, host: str, port: int, own_port: int | N
     listeners = [listener]
     if own_port is not None:  # this process's alone, beside a port it may share (server.reuse_port)
         try:
-            listeners.append(listen(host, own_port, max_connections, server.max_connections_per_client))
+            listeners.append(listen(host, own_port, OWN_PORT_MAX_CONNECTIONS, OWN_PORT_MAX_PER_CLIENT))
         except BaseException:
             listener.close()
             raise
     app = create_app(registry)
-    app.extensions["http_connections"] = listener.stats
     gateway: Gateway = app.extensions["gateway"]
     app.before_serving(freeze_startup_heap)  # registered after create_app's own, so it runs after it
     install_prompt_close()

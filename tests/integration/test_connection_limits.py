@@ -1,5 +1,6 @@
-"""Connections that cannot exhaust the gateway: floods on both listeners, slow headers, and closed
-connections that free their descriptor at once. Real sockets against a real gateway process.
+"""Connections that cannot exhaust the gateway: floods on both listeners and on a process's own port,
+slow headers, and closed connections that free their descriptor at once. Real sockets against a
+real gateway process.
 
 The hostile clients connect from 127.0.0.2 (Linux routes all of 127/8 to the loopback device), the
 probe from 127.0.0.1, as an attacker and a load balancer would be different hosts.
@@ -19,6 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from gateway.server import OWN_PORT_MAX_CONNECTIONS
 from tests.harness import REPO_ROOT, GatewayProcess, free_port, wait_until
 from tests.integration.conftest import demo_entry, write_registry
 
@@ -159,3 +161,32 @@ def test_slow_headers_are_cut_off(gateway: GatewayProcess) -> None:
     # Generous: three times the 2 s header deadline, and still short of the 8 s a connection
     # without that deadline stays open while the bytes trickle in.
     assert closed and time.monotonic() - started < 6
+
+
+def test_a_processs_own_port_has_a_small_cap_of_its_own(tmp_path: Path, demo_model_dir: Path) -> None:
+    """`--own-port` (metrics and admin of one process beside a shared port) holds at most
+    OWN_PORT_MAX_CONNECTIONS, OWN_PORT_MAX_PER_CLIENT from one address, whatever `max_connections`
+    is; a flood there leaves the main port alone."""
+    own = free_port()
+    config = write_registry(
+        tmp_path / "models.yaml", [demo_entry("m", demo_model_dir)], max_connections_per_client=256
+    )
+    with GatewayProcess(config, args=("--own-port", str(own))) as gw:
+        before = open_fds(gw.pid)
+        flood = [sock for i in range(5) for _ in range(20) if (sock := connect_from(f"127.0.0.{2 + i}", own))]
+        try:
+
+            def refusing() -> bool:
+                log = gw.log()
+                return "open connections from one client" in log and "open connections in all" in log
+
+            wait_until(refusing, "the own port to refuse part of the flood", context=gw.events)
+            # Five addresses of twenty: at most 8 kept from each, and 32 in all, not 100.
+            kept = open_fds(gw.pid) - before
+            assert kept <= OWN_PORT_MAX_CONNECTIONS + 4, kept
+            assert httpx.get(gw.url + "/health/live", timeout=5).status_code == 200
+        finally:
+            for sock in flood:
+                sock.close()
+        wait_until(lambda: open_fds(gw.pid) - before <= 4, "the own port's connections to close", 10)
+        assert httpx.get(f"http://127.0.0.1:{own}/metrics", timeout=5).status_code == 200
