@@ -33,12 +33,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 for _variable in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(_variable, "1")
 
+from bench.bench_engines import PROMPT  # noqa: E402
 from bench.bench_engines import prompts as engines_prompts  # noqa: E402
 from model_worker.engines.registry import create_engine  # noqa: E402
 from model_worker.warmup import warm_up  # noqa: E402
 from wire.params import SamplingParams  # noqa: E402
 
-FILLER = "The quick brown fox jumps over the lazy dog. Once upon a time, in a small village, "
 DEFAULT_SHAPES = "1x151,3x151,9x151,25x151,63x151,64x151,64x33,17x100,1x600,25x600"
 
 
@@ -84,7 +84,9 @@ def run_burst(engine: Any, prompts: list[list[int]], new_tokens: int, tag: str) 
         engine.step()
         step_ms.append((time.perf_counter() - before) * 1000)
     burst_ms = (time.perf_counter() - started) * 1000
-    return {"first_step_ms": round(step_ms[0], 2), "burst_ms": round(burst_ms, 2),
+    lengths = [len(prompt) for prompt in prompts]
+    return {"prompt_tokens": [min(lengths), max(lengths)],
+            "first_step_ms": round(step_ms[0], 2), "burst_ms": round(burst_ms, 2),
             "steps": len(step_ms), "slowest_step_ms": round(max(step_ms), 2)}  # fmt: skip
 
 
@@ -129,7 +131,8 @@ def main() -> None:
     # objects; without it they walk them in the middle of the bursts.
     gc.collect()
     gc.freeze()
-    filler = engine.encode(FILLER * (1 + max(length for _, length in args.shapes) // 40), False)
+    unit = engine.encode(PROMPT, False)
+    filler = unit * (max(length for _, length in args.shapes) // len(unit) + 1)  # longer than any prompt
     sweeps: list[dict[str, dict[str, Any]]] = []
     for sweep in range(2):
         figures = {}

@@ -21,16 +21,19 @@ def test_each_shape_runs_twice_after_the_workers_warm_up(demo_model_dir: Path, t
     out = tmp_path / "first_bursts.json"
     subprocess.run(
         [sys.executable, "bench/bench_first_bursts.py", "--engine", "transformers", "--model",
-         str(demo_model_dir), "--shapes", "1x20,3x33", "--out", str(out)],
+         str(demo_model_dir), "--shapes", "1x20,3x700", "--out", str(out)],
         cwd=REPO, check=True, timeout=300, capture_output=True,
     )  # fmt: skip
     report = json.loads(out.read_text())
     assert report["warm_up"] == "worker" and report["warm_up_s"] > 0
     assert report["fresh_triton_cache"] is True
-    assert [row["shape"] for row in report["shapes"]] == ["1x20", "3x33"]
+    assert [row["shape"] for row in report["shapes"]] == ["1x20", "3x700"]
     for row in report["shapes"]:
         for sweep in ("first", "second"):
             burst = row[sweep]
+            assert (
+                burst["prompt_tokens"] == [int(row["shape"].split("x")[1])] * 2
+            )  # every prompt as long as asked
             assert burst["steps"] == 4  # one step per new token: every job of a burst ran together
             assert 0 < burst["first_step_ms"] <= burst["burst_ms"]
             assert burst["compiled"] == []  # no Triton on a CPU

@@ -163,7 +163,7 @@ def test_slow_headers_are_cut_off(gateway: GatewayProcess) -> None:
     assert closed and time.monotonic() - started < 6
 
 
-def test_a_processs_own_port_has_a_small_cap_of_its_own(tmp_path: Path, demo_model_dir: Path) -> None:
+def test_one_process_own_port_has_a_small_cap_of_its_own(tmp_path: Path, demo_model_dir: Path) -> None:
     """`--own-port` (metrics and admin of one process beside a shared port) holds at most
     OWN_PORT_MAX_CONNECTIONS, OWN_PORT_MAX_PER_CLIENT from one address, whatever `max_connections`
     is; a flood there leaves the main port alone."""
