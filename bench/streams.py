@@ -99,11 +99,14 @@ def raw_round(
 
     steps: list[float] = []
     ingested: dict[Any, int] = {}  # each job's prompt tokens prefilled, from the library's reports
+    found: dict[Any, int] = {}  # each started job's prompt tokens found in the cache (traced rounds)
     if trace is not None:
-        trace.count_prefill(lambda: sum(ingested.values()))
+        trace.count_prefill(lambda: sum(ingested.values()), lambda: sum(found.values()))
+    jobs = []
     for i, prompt in enumerate(prompts):
         streams[i].started = time.perf_counter()
-        generator.enqueue(job(i, torch.tensor([prompt], dtype=torch.long)))
+        jobs.append(job(i, torch.tensor([prompt], dtype=torch.long)))
+        generator.enqueue(jobs[-1])
     while generator.num_remaining_jobs():
         if trace is not None:
             trace.before_step()
@@ -119,6 +122,8 @@ def raw_round(
                 count = int(result["token_ids"].shape[-1])
                 streams[result["identifier"]].token_times += [now] * count
                 emitted.append((result["identifier"], count, bool(result.get("eos"))))
+                if trace is not None and result["identifier"] not in found:  # as our engine counts it
+                    found[result["identifier"]] = engine._found_in_cache(jobs[result["identifier"]])
         if trace is not None:
             trace.after_step(emitted)
             trace.after_send()
@@ -137,7 +142,7 @@ def engine_round(engine: Any, prompts: list[list[int]], new_tokens: int, trace: 
         engine.submit(rid, prompt, params)
     steps: list[float] = []
     if trace is not None:
-        trace.count_prefill(engine.prefill_tokens)
+        trace.count_prefill(engine.prefill_tokens, engine.cached_prompt_tokens)
     while engine.has_work():
         if trace is not None:
             trace.before_step()

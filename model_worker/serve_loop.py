@@ -276,7 +276,7 @@ class Worker:
         if trace is not None:
             self.link.trace_handoffs(trace.handoff_waits)
             if isinstance(engine, CountsPrefill):
-                trace.count_prefill(engine.prefill_tokens)
+                trace.count_prefill(engine.prefill_tokens, engine.cached_prompt_tokens)
         try:
             self._loop(engine, jobs, embeddings, trace)
         finally:

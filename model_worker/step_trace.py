@@ -23,6 +23,9 @@ Each line is one iteration that stepped the engine:
   prefill     prompt tokens the engine ingested by prefill in this step (engines that count them:
               model_worker.engines.base.CountsPrefill; for the exllama libraries, from their
               progress reports, where a prefix found in their cache counts in a job's first report)
+  cached      of those, the prompt tokens the engine found in its prefix cache instead of computing
+              them, counted in the step that gave each job its first token (exllama: the pages and
+              partial page each job reused)
 """
 
 from __future__ import annotations
@@ -60,20 +63,26 @@ class StepTrace:
         self._started_jobs: set[Any] = set()  # jobs that have produced a token and not finished
         self._prefill_counter: Callable[[], int] | None = None
         self._prefilled_before = 0
+        self._cached_counter: Callable[[], int] | None = None
+        self._cached_before = 0
 
     @classmethod
     def from_environment(cls) -> StepTrace | None:
         path = os.environ.get(TRACE_VARIABLE)
         return cls(path) if path else None
 
-    def count_prefill(self, counter: Callable[[], int]) -> None:
+    def count_prefill(self, counter: Callable[[], int], cached: Callable[[], int] | None = None) -> None:
         """Lines from now on say how many prompt tokens each step prefilled: the rise of
-        `counter()` (a running total of prompt tokens ingested) across the step."""
+        `counter()` (a running total of prompt tokens ingested) across the step; with `cached` (a
+        running total of those found in the engine's cache), how many of them were found."""
         self._prefill_counter = counter
+        self._cached_counter = cached
 
     def before_step(self) -> None:
         if self._prefill_counter is not None:
             self._prefilled_before = self._prefill_counter()
+        if self._cached_counter is not None:
+            self._cached_before = self._cached_counter()
         self._step_start = time.perf_counter()
         if self._torch is not None:
             start, end = (self._torch.cuda.Event(enable_timing=True) for _ in range(2))
@@ -102,6 +111,8 @@ class StepTrace:
         }
         if self._prefill_counter is not None:
             line["prefill"] = self._prefill_counter() - self._prefilled_before
+        if self._cached_counter is not None:
+            line["cached"] = self._cached_counter() - self._cached_before
         if self._events is not None:
             start, end = self._events
             end.record()

@@ -84,6 +84,13 @@ class GatewayMetrics:
         self.completion_tokens = Counter(
             "gateway_completion_tokens", "Completion tokens generated.", ["model"], registry=r
         )
+        self.cached_prompt_tokens = Counter(
+            "gateway_prompt_tokens_cached",
+            "Prompt tokens the engine found in its prefix cache instead of computing them (a part of "
+            "gateway_prompt_tokens; as the usage's prompt_tokens_details.cached_tokens).",
+            ["model"],
+            registry=r,
+        )
         self.queue_time = Histogram(
             "gateway_request_queue_time_seconds",
             "Request start until every choice was accepted by a worker: waiting in the gateway's queue "
@@ -202,7 +209,9 @@ class RequestRecorder:
             self._itl.observe(now - self.last_output)
         self.last_output = now
 
-    def finish(self, status: int, prompt_tokens: int = 0, completion_tokens: int = 0) -> None:
+    def finish(
+        self, status: int, prompt_tokens: int = 0, completion_tokens: int = 0, cached_tokens: int = 0
+    ) -> None:
         if self.finished:
             return
         self.finished = True
@@ -217,6 +226,8 @@ class RequestRecorder:
         metrics.recent.add(model, status, duration, self.ttft_s)
         if prompt_tokens:
             child(metrics.prompt_tokens, model).inc(prompt_tokens)
+            # Counted (as 0 too) wherever prompt tokens are, so cached ÷ prompt is defined per model.
+            child(metrics.cached_prompt_tokens, model).inc(cached_tokens)
             child(metrics.key_tokens, self.key, model, "prompt").inc(prompt_tokens)
         if completion_tokens:
             child(metrics.completion_tokens, model).inc(completion_tokens)

@@ -438,7 +438,9 @@ class RequestOwner:
             self._deadline_timer.cancel()
         self.service.requests.discard(self)
         totals = usage_totals(self.outputs)
-        self.recorder.finish(self.outcome, totals.prompt_tokens, totals.completion_tokens)
+        self.recorder.finish(
+            self.outcome, totals.prompt_tokens, totals.completion_tokens, totals.cached_tokens
+        )
         if self.span is not None:
             reasons = [c.finish_reason.value for c in self.outputs if c.finish_reason is not None]
             self.span.end(self.outcome, reasons, totals.prompt_tokens, totals.completion_tokens,

@@ -170,6 +170,9 @@ class CountsPrefill(Protocol):
         """Prompt tokens ingested by prefill since the engine loaded, as its library reports its
         progress (the per-step trace reads it around each step)."""
 
+    def cached_prompt_tokens(self) -> int:
+        """Of those, the prompt tokens found in the engine's prefix cache, not computed."""
+
 
 # Request parameters that only an engine with the capability can honour.
 CAPABILITY_OF_PARAMETER: dict[str, type] = {"prompt_logprobs": ScoresPrompts}

@@ -32,6 +32,7 @@ class GeneratorJob:
     take: TakeEntries | None  # its logprob entries, when it asked for logprobs
     include_stop_str: bool = False
     ingested: int = 0  # prompt tokens its library's last prefill report said it had ingested
+    started: bool = False  # its first token came: its prompt tokens found in the cache are counted
 
 
 class LibraryCodec:
@@ -76,7 +77,9 @@ class DynamicGeneratorEngine:
         self._pieces: list[str] = []
         self._logprobs: StepLogprobs | None = None
         self._jobs_per_step = 0.0
-        self._counters = {"steps": 0, "tokens": 0, "finished": 0, "cancelled": 0, "prefill_tokens": 0}
+        self._counters = {"steps": 0, "tokens": 0, "finished": 0, "cancelled": 0, "prefill_tokens": 0,
+                          "cached_prompt_tokens": 0}  # fmt: skip
+        self._page_tokens = 0  # tokens per cache page, read from the library on first use
         self._texts = TokenTexts(self.decode)
 
     def warmup_batches(self) -> list[int]:
@@ -95,6 +98,17 @@ class DynamicGeneratorEngine:
         they found in their cache counts in the job's first report."""
         return self._counters["prefill_tokens"]
 
+    def cached_prompt_tokens(self) -> int:
+        """Prompt tokens the library found in its cache (whole pages and a partial match), counted
+        when each job's first token comes: a part of `prefill_tokens`, which were not computed."""
+        return self._counters["cached_prompt_tokens"]
+
+    def _found_in_cache(self, job: Any) -> int:
+        # Both libraries count a job's reused pages and, beside them, tokens of a partly matched page.
+        if not self._page_tokens:
+            self._page_tokens = self._page_size()
+        return int(job.cached_pages) * self._page_tokens + int(job.cached_tokens)
+
     # ---- hooks for each engine -------------------------------------------------------------------
 
     def _check_result(self, result: dict[str, Any]) -> None:
@@ -106,6 +120,10 @@ class DynamicGeneratorEngine:
 
     def _pages(self) -> tuple[int, int]:
         """(total, free) pages of the generator's cache."""
+        raise NotImplementedError
+
+    def _page_size(self) -> int:
+        """Tokens per page of the generator's cache."""
         raise NotImplementedError
 
     def _close_generator(self) -> None:
@@ -182,6 +200,9 @@ class DynamicGeneratorEngine:
                 state.ingested = progress
             if result["stage"] != "streaming" or state is None:
                 continue
+            if not state.started:
+                state.started = True
+                self._counters["cached_prompt_tokens"] += self._found_in_cache(state.job)
             rid = result["identifier"]
             part = merged.setdefault(rid, PartialOutput(logprobs=None if state.take is None else []))
             add_tokens(part, result, self._texts, state.take)

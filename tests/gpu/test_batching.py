@@ -131,6 +131,7 @@ def test_repeated_long_prompt_reuses_its_cached_prefix(big_engine: Any, mode: st
     """The second time a 3000-token prompt comes, its full pages are in the cache already: only the
     last page is computed, so the first token comes far sooner."""
     ids = big_engine.encode("A long shared system prompt about many things. " * 400, True)[:3000]
+    counted_before = big_engine.cached_prompt_tokens()
     first = run_job(big_engine, ids, greedy(4))
     second = run_job(big_engine, ids, greedy(4))
     ttft = [run.times[0] - run.submitted for run in (first, second)]
@@ -140,3 +141,6 @@ def test_repeated_long_prompt_reuses_its_cached_prefix(big_engine: Any, mode: st
     assert first.final.usage.cached_tokens < 256
     assert cached >= 2816, f"only {cached} of 3000 prompt tokens came from the cache"
     assert ttft[1] < 0.5 * ttft[0], ttft
+    # What the step trace reads: the same tokens, counted once per job when its first token came.
+    counted = big_engine.cached_prompt_tokens() - counted_before
+    assert counted == first.final.usage.cached_tokens + cached, counted

@@ -133,6 +133,34 @@ def test_streaming_matches_non_streaming(served: tuple[str, GatewayProcess], cli
     )
 
 
+def _cached_prompt_tokens(client: httpx.Client, model: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = client.get("/metrics").text
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "gateway_prompt_tokens_cached_total" and sample.labels.get("model") == model
+    )
+
+
+def test_a_repeated_prompt_is_found_in_the_cache_and_counted(served: Served, client: httpx.Client) -> None:
+    """A paged engine keeps a prompt's full pages: the second time the prompt comes, its usage says
+    how many tokens came from the cache, and /metrics counts exactly those."""
+    mode, _ = served
+    if mode not in PAGED_MODES:
+        pytest.skip("only the paged modes keep a prompt's pages for the next job")
+    prompt = f"{mode} cache check. " + PROMPT * 40  # a few full 256-token pages
+    before = _cached_prompt_tokens(client, "tiny")
+    first = completion(client, "tiny", prompt=prompt, max_tokens=4)["usage"]
+    second = completion(client, "tiny", prompt=prompt, max_tokens=4)["usage"]
+    cached = [u.get("prompt_tokens_details", {}).get("cached_tokens", 0) for u in (first, second)]
+    record(f"gateway prefix cache tiny {mode}", prompt_tokens=second["prompt_tokens"], cached=cached)
+    assert cached[0] < 256 and cached[1] >= 256 * (second["prompt_tokens"] // 256) - 256, cached
+    assert _cached_prompt_tokens(client, "tiny") - before == sum(cached)
+
+
 def _tokens(body: dict[str, Any]) -> tuple[list[str], list[dict[str, float]]]:
     logprobs = body["choices"][0]["logprobs"]
     return logprobs["tokens"], logprobs["top_logprobs"]

@@ -44,6 +44,7 @@ def test_every_step_of_a_stream_is_traced_with_the_link_threads_wait(
     # The demo engine prefills the whole prompt, in the step that gives the first token.
     assert [step["prefill"] for step in steps if step["first"]] == [prompt_tokens] and prompt_tokens > 1
     assert sum(step["prefill"] for step in steps) == prompt_tokens
+    assert all(step["cached"] == 0 for step in steps)  # the CPU engine keeps no prefix cache
     assert all(step["jobs"] == 1 and step["step_ms"] > 0 for step in steps)
     assert all(step["outside_ms"] is None or step["outside_ms"] >= 0 for step in steps)
     # A step's frame is taken after its line is written, so its wait shows on a later line (one

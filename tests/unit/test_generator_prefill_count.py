@@ -44,3 +44,35 @@ def test_prefill_progress_reports_add_up_to_the_prompt_tokens_each_step_read() -
         counts.append(engine.prefill_tokens() - before)
     assert counts == [2048, 951 + 1000, 1999]
     assert engine.prefill_tokens() == 2 * 2999
+
+
+class PagedEngine(DynamicGeneratorEngine):
+    def _page_size(self) -> int:
+        return 256
+
+
+def _token(rid: str, token: int) -> dict[str, Any]:
+    import torch
+
+    return {"stage": "streaming", "identifier": rid, "eos": False, "token_ids": torch.tensor([[token]]),
+            "text": "x"}  # fmt: skip
+
+
+def test_prompt_tokens_found_in_the_cache_count_once_when_each_jobs_first_token_comes() -> None:
+    """a reused two whole pages and 30 tokens of a third (both libraries count them so on the
+    job); b found nothing. Each is counted in the step of its first token, and never again."""
+    engine = PagedEngine("unused", 4096, SimpleNamespace(max_chunk_size=2048))
+    found = {"a": SimpleNamespace(cached_pages=2, cached_tokens=30),
+             "b": SimpleNamespace(cached_pages=0, cached_tokens=0)}  # fmt: skip
+    engine._jobs = {rid: GeneratorJob(job, 600, None) for rid, job in found.items()}
+    engine.generator = ScriptedGenerator([
+        [_prefill("a", 600, 600), _token("a", 5)],
+        [_token("a", 6), _prefill("b", 600, 600), _token("b", 7)],
+        [_token("a", 8), _token("b", 9)],
+    ])  # fmt: skip
+    counts = []
+    for _ in range(3):
+        before = engine.cached_prompt_tokens()
+        assert len(engine.step()) >= 1
+        counts.append(engine.cached_prompt_tokens() - before)
+    assert counts == [2 * 256 + 30, 0, 0]

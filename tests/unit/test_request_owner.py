@@ -190,6 +190,28 @@ def test_a_request_runs_to_its_end_and_gives_everything_back(tmp_path: Path) -> 
     asyncio.run(scenario())
 
 
+def test_prompt_tokens_found_in_the_engines_cache_are_counted_once_per_prompt(tmp_path: Path) -> None:
+    """Two choices of one prompt each report the same 2 cached tokens of its 3: the metrics count the
+    prompt once, like the usage's prompt_tokens_details.cached_tokens."""
+
+    def counted(metric: Any) -> float:
+        return sum(s.value for s in metric.collect()[0].samples if s.name.endswith("_total"))
+
+    async def scenario() -> None:
+        async with rig(tmp_path) as r:
+            owner = r.open(n=2)
+            handler = asyncio.create_task(consume(owner))
+            first, second = await r.peers["w0"].generates(2, accept=True)
+            for job in (first, second):
+                finished = JobOutput(job.rid, "a", [1], FinishReason.STOP, Usage(3, 1, cached_tokens=2))
+                await r.peers["w0"].send(wire.Step([finished]))
+            await asyncio.wait_for(handler, 2)
+            assert owner.outcome == 200
+            assert (counted(r.metrics.prompt_tokens), counted(r.metrics.cached_prompt_tokens)) == (3, 2)
+
+    asyncio.run(scenario())
+
+
 @pytest.mark.parametrize("when", ["waiting for acceptance", "mid-stream"])
 def test_client_disconnect_cancels_every_unfinished_job(tmp_path: Path, when: str) -> None:
     async def scenario() -> None:

@@ -45,14 +45,17 @@ def test_a_trace_without_steps_writes_nothing(tmp_path: Path) -> None:
 def test_each_line_says_how_many_prompt_tokens_its_step_prefilled(tmp_path: Path) -> None:
     path = tmp_path / "trace.jsonl"
     trace = StepTrace(str(path))
-    ingested = [0]
-    trace.count_prefill(lambda: ingested[0])
-    for prefilled, outputs in ((2048, []), (700, [("a", 1, False)]), (0, [("a", 1, True)])):
+    ingested, found = [0], [0]
+    trace.count_prefill(lambda: ingested[0], lambda: found[0])
+    steps = ((2048, 0, []), (700, 512, [("a", 1, False)]), (0, 0, [("a", 1, True)]))
+    for prefilled, cached, outputs in steps:
         trace.before_step()
         ingested[0] += prefilled  # what the engine read of the prompt during the step
+        found[0] += cached  # of which it found these in its cache
         trace.after_step(outputs)
         trace.after_send()
     trace.close()
     lines = [json.loads(line) for line in path.read_text().splitlines()]
     assert [line["prefill"] for line in lines] == [2048, 700, 0]
+    assert [line["cached"] for line in lines] == [0, 512, 0]
     assert [line["first"] for line in lines] == [0, 1, 0]

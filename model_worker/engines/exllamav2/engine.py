@@ -211,6 +211,9 @@ class ExLlamaV2Engine(DynamicGeneratorEngine):
         total = int(self.generator.max_pages)
         return total, min(len(self.generator.unreferenced_pages), total)
 
+    def _page_size(self) -> int:
+        return int(self.generator.page_size)  # unpaged: the whole cache is one page per job
+
     # ---- reporting -------------------------------------------------------------------------------
 
     def info(self) -> EngineInfo:

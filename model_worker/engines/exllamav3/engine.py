@@ -189,6 +189,11 @@ class ExLlamaV3Engine(DynamicGeneratorEngine):
         # Unreferenced pages are free to take; some still hold a reusable prompt prefix.
         return total, min(int(pages.num_unreferenced_pages()), total)
 
+    def _page_size(self) -> int:
+        from exllamav3.constants import PAGE_SIZE  # the library's fixed page, for every cache
+
+        return int(PAGE_SIZE)
+
     def _close_generator(self) -> None:
         self.generator.close()  # releases its pages and any recurrent state
 

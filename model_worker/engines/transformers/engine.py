@@ -150,6 +150,10 @@ class TransformersEngine:
         """Prompt tokens its prefill chunks have read."""
         return self._prefilled_tokens
 
+    def cached_prompt_tokens(self) -> int:
+        """Always 0: this engine keeps no prefix cache between jobs."""
+        return 0
+
     def stats(self) -> EngineStats:
         held = sum(job.cache.get_seq_length() for job in self._active.values() if job.cache is not None)
         capacity = self.settings.max_batch_size * self.max_seq_len
