@@ -10,7 +10,9 @@ pay it instead. Prompts are text, distinct from their first tokens in every burs
 found in the cache. The heap is frozen after the warm-up, as the worker freezes it.
 
 Triton keeps what it compiled on disk (~/.triton/cache) for the next process; this runs with a
-fresh, empty cache directory unless --keep-triton-cache, so that it measures a fresh host.
+fresh, empty cache directory, so that it measures a fresh host, unless --triton-cache names one to
+use and keep: a second run with the same directory measures a worker restarted on the same host
+(or one whose cache directory is a kept volume), which loads those kernels instead of compiling.
 
     python bench/bench_first_bursts.py --engine exllamav3 --model /tmp/models/llama3-8b \\
         --warm-up worker --out /tmp/bench/first_bursts.json
@@ -53,11 +55,9 @@ def burst_shapes(text: str) -> list[tuple[int, int]]:
     return shapes
 
 
-def compiled_kernels(cache_dir: str | None, seen: set[Path]) -> list[str]:
+def compiled_kernels(cache_dir: str, seen: set[Path]) -> list[str]:
     """Kernels Triton compiled since the last call: the metadata files new in its cache directory,
     as `name (warps, stages, shared bytes)`."""
-    if cache_dir is None:
-        return []
     found = []
     for meta in sorted(Path(cache_dir).glob("*/*.json")):
         if meta in seen or meta.name.startswith("__grp__"):
@@ -107,15 +107,21 @@ def main() -> None:
     parser.add_argument(
         "--repeat-prompts", action="store_true", help="the second sweep repeats the first's prompts"
     )
-    parser.add_argument("--keep-triton-cache", action="store_true", help="use Triton's usual disk cache")
+    parser.add_argument(
+        "--triton-cache", type=Path, default=None, help="Triton's cache directory, used and kept"
+    )
     parser.add_argument("--out", type=Path, default=None, help="write the figures as JSON here")
     args = parser.parse_args()
     if max(jobs for jobs, _ in args.shapes) > args.max_batch_size:
         parser.error("a shape has more jobs than --max-batch-size")
-    cache_dir = None
-    if not args.keep_triton_cache:
-        cache_dir = os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="triton-fresh-")
+    if args.triton_cache is None:
+        cache_dir = tempfile.mkdtemp(prefix="triton-fresh-")
+    else:
+        args.triton_cache.mkdir(parents=True, exist_ok=True)
+        cache_dir = str(args.triton_cache)
+    os.environ["TRITON_CACHE_DIR"] = cache_dir
     seen: set[Path] = set()
+    kept_kernels = len(compiled_kernels(cache_dir, seen))  # what an earlier run left: not new here
 
     settings: dict[str, Any] = {}  # the transformers engine (a CPU smoke run) takes its defaults
     if args.engine != "transformers":
@@ -153,7 +159,10 @@ def main() -> None:
 
     first, second = sweeps
     rows = []
-    print(f"{args.engine}, warm-up {args.warm_up} ({warm_s:.1f} s), load {load_s:.1f} s")
+    print(
+        f"{args.engine}, warm-up {args.warm_up} ({warm_s:.1f} s), load {load_s:.1f} s, "
+        f"{kept_kernels} kernels in the cache at start, {len(before_bursts)} compiled before the bursts"
+    )
     print("shape      first burst ms  second ms  first / second  first step ms (second)")
     for shape in first:
         ratio = first[shape]["burst_ms"] / second[shape]["burst_ms"]
@@ -168,7 +177,8 @@ def main() -> None:
                   "load_s": round(load_s, 2), "compiled_before_bursts": before_bursts,
                   "settings": settings, "max_seq_len": args.max_seq_len,
                   "new_tokens": args.new_tokens, "prompts": args.prompts,
-                  "repeat_prompts": args.repeat_prompts, "fresh_triton_cache": not args.keep_triton_cache,
+                  "repeat_prompts": args.repeat_prompts, "fresh_triton_cache": args.triton_cache is None,
+                  "kernels_in_cache_at_start": kept_kernels,
                   "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "shapes": rows}  # fmt: skip
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=1) + "\n")

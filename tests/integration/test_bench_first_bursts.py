@@ -40,6 +40,27 @@ def test_each_shape_runs_twice_after_the_workers_warm_up(demo_model_dir: Path, t
         assert row["ratio"] == pytest.approx(row["first"]["burst_ms"] / row["second"]["burst_ms"], abs=1e-3)
 
 
+def test_a_kept_cache_directory_counts_what_an_earlier_run_left_and_lists_only_new_kernels(
+    demo_model_dir: Path, tmp_path: Path
+) -> None:
+    """--triton-cache: a second run with the directory of a first (a worker restarted on the same
+    host) finds that run's kernels there; they are counted at start, not listed as compiled."""
+    cache = tmp_path / "triton"
+    (cache / "HASH1").mkdir(parents=True)
+    (cache / "HASH1" / "split.json").write_text(json.dumps({"name": "split", "num_warps": 4}))
+    out = tmp_path / "first_bursts.json"
+    subprocess.run(
+        [sys.executable, "bench/bench_first_bursts.py", "--engine", "transformers", "--model",
+         str(demo_model_dir), "--shapes", "1x20", "--triton-cache", str(cache), "--out", str(out)],
+        cwd=REPO, check=True, timeout=300, capture_output=True,
+    )  # fmt: skip
+    report = json.loads(out.read_text())
+    assert report["fresh_triton_cache"] is False and report["kernels_in_cache_at_start"] == 1
+    assert report["compiled_before_bursts"] == []
+    assert all(row[sweep]["compiled"] == [] for row in report["shapes"] for sweep in ("first", "second"))
+    assert (cache / "HASH1" / "split.json").exists()  # kept, not emptied
+
+
 def test_shapes_are_jobs_by_prompt_tokens() -> None:
     assert burst_shapes("25x151, 64x33") == [(25, 151), (64, 33)]
     for bad in ("25", "25x", "0x151", "4x1", "ax151", "4x151,"):
@@ -70,4 +91,3 @@ def test_compiled_kernels_are_the_new_metadata_files_of_the_cache(tmp_path: Path
     other.mkdir()
     (other / "combine.json").write_text(json.dumps({"name": "combine", "num_warps": 4, "num_stages": 1}))
     assert compiled_kernels(str(tmp_path), seen) == ["combine (4, 1, None)"]
-    assert compiled_kernels(None, seen) == []  # --keep-triton-cache: not listed
