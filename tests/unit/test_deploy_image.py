@@ -67,6 +67,8 @@ def test_dockerfile_layers_user_and_health() -> None:
         assert users and users[-1] == "1000:1000", name  # the uid the Kubernetes pods run as
         assert "--create-home --home-dir /home/gateway" in body and "HF_HOME=/home/gateway/.cache" in body
         assert re.search(r"^HEALTHCHECK .*CMD .*/health/ready", body, re.M | re.S), name
+    # Triton's compiled kernels (exllamav3) live in the cache a volume keeps, not in the container.
+    assert "TRITON_CACHE_DIR=/home/gateway/.cache/triton" in built["gpu"]
     # The extension is compiled when the image is built, not in each pod.
     assert (
         'python -c "import exllamav2.ext"' in built["gpu-build"] and "exllamav2_ext.so" in built["gpu-build"]

@@ -241,9 +241,12 @@ def check_references(docs: list[dict[str, Any]]) -> None:
                 assert keys and wanted <= keys, f"{name}: volume {volume['name']} lacks {wanted - keys}"
             if kind == "persistentVolumeClaim":
                 named(docs, "PersistentVolumeClaim", volume[kind]["claimName"])
+        claimed = {t["metadata"]["name"] for t in workload["spec"].get("volumeClaimTemplates", [])}
         for container in spec["containers"]:
             for mount in container.get("volumeMounts", []):
-                assert mount["name"] in volumes, f"{name}/{container['name']}: no volume {mount['name']}"
+                assert mount["name"] in volumes.keys() | claimed, (
+                    f"{name}/{container['name']}: no volume {mount['name']}"
+                )
             for env in container.get("env", []):
                 ref = env.get("valueFrom", {})
                 for kind, field in (("Secret", "secretKeyRef"), ("ConfigMap", "configMapKeyRef")):
@@ -330,6 +333,22 @@ def test_each_worker_statefulset_serves_a_remote_model_and_reaches_the_gateway(
         assert not any(k.endswith(".key_secret") and "gateway" in k for k in source_keys(docs, volume))
     assert sorted(served) == sorted(remote), "every remote model needs workers, and only remote models"
     assert len(served) >= 2
+
+
+def test_each_worker_keeps_its_compiled_gpu_kernels_on_a_claim_of_its_own(docs: list[dict[str, Any]]) -> None:
+    """Triton's cache (exllamav3's kernels) is on the replica's own PersistentVolumeClaim, not in an
+    emptyDir that a replaced pod loses: a restarted worker loads its kernels instead of compiling."""
+    workers = component(docs, "worker")
+    assert workers
+    for worker in workers:
+        claims = {t["metadata"]["name"]: t for t in worker["spec"].get("volumeClaimTemplates", [])}
+        container = pod_spec(worker)["containers"][0]
+        env = {e["name"]: e.get("value") for e in container.get("env", [])}
+        cache = env.get("TRITON_CACHE_DIR")
+        assert cache, f"{worker['metadata']['name']}: no TRITON_CACHE_DIR"
+        mounts = [m for m in container["volumeMounts"] if cache.startswith(m["mountPath"].rstrip("/") + "/")]
+        assert mounts and mounts[0]["name"] in claims and not mounts[0].get("readOnly"), worker["metadata"]
+        assert claims[mounts[0]["name"]]["spec"]["accessModes"] == ["ReadWriteOnce"]
 
 
 def test_gateway_mounts_what_its_registry_names_and_probes_its_health_endpoints(
