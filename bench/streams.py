@@ -16,6 +16,7 @@ import asyncio
 import itertools
 import json
 import math
+import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -233,17 +234,23 @@ def paired(rounds: list[Round], raw: list[Round]) -> dict[str, Any]:
     """Each round against the raw round of the same turn (rounds interleave, so the two ran seconds
     apart): the host's CPU speed drifts by up to 1.7x over a run, and a ratio of two medians taken
     from different minutes carries that drift, while a ratio within one turn mostly cancels it."""
-    ratios = sorted(r.tok_s / base.tok_s for r, base in zip(rounds, raw, strict=True))
-    added = sorted(1000 * (r.ttft_p50 - base.ttft_p50) for r, base in zip(rounds, raw, strict=True))
+    turn_ratios = [r.tok_s / base.tok_s for r, base in zip(rounds, raw, strict=True)]
+    turn_added = [1000 * (r.ttft_p50 - base.ttft_p50) for r, base in zip(rounds, raw, strict=True)]
+    ratios, added = sorted(turn_ratios), sorted(turn_added)
+    # The median: with an even count of turns, the mean of the two middle ones (not the upper one,
+    # which read every even-round run high in tok/s and in first-token time added).
     return {
-        "paired_ratio": ratios[len(ratios) // 2],
+        "paired_ratio": statistics.median(ratios),
         "paired_ratio_min": ratios[0],
         "paired_ratio_max": ratios[-1],
         "paired_ratio_ci95": median_interval(ratios),
-        "paired_ttft_added_ms": added[len(added) // 2],
+        "paired_ttft_added_ms": statistics.median(added),
         "paired_ttft_added_ms_min": added[0],
         "paired_ttft_added_ms_max": added[-1],
         "paired_ttft_added_ms_ci95": median_interval(added),
+        # Each turn's, in the order they ran: so runs can be pooled turn by turn afterwards.
+        "paired_ratio_turns": [round(x, 4) for x in turn_ratios],
+        "paired_ttft_added_ms_turns": [round(x, 2) for x in turn_added],
     }
 
 
@@ -272,7 +279,7 @@ def summarize(rounds: list[Round]) -> dict[str, Any]:
     mean_gap = sum(gaps) / len(gaps) if gaps else 0.0
     median_gap = percentile(gaps, 0.5)
     return {
-        "tok_s_total": sorted(totals)[len(totals) // 2],
+        "tok_s_total": statistics.median(totals),
         # The spread over rounds: one run of one engine moved by up to 25% between rounds.
         "tok_s_total_min": min(totals),
         "tok_s_total_max": max(totals),

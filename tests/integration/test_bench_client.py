@@ -99,6 +99,23 @@ def test_paired_ratios_divide_each_round_by_the_raw_round_of_its_turn() -> None:
     assert result["paired_ratio_ci95"] is None and result["paired_ttft_added_ms_ci95"] is None
 
 
+def test_paired_figures_of_an_even_count_of_turns_are_the_mean_of_the_middle_two() -> None:
+    """Four turns at 0.8, 0.9, 1.0 and 1.1 of their raw rounds: the median is 0.95, not the upper
+    middle turn (1.0), and the first token's time added likewise."""
+    tokens = 11
+
+    def round_of(gap_s: float) -> Round:
+        return Round([Stream(0.0, [gap_s * (i + 1) for i in range(tokens)])])
+
+    raw = [round_of(0.010) for _ in range(4)]
+    gateway = [round_of(0.010 / ratio) for ratio in (1.0, 0.8, 1.1, 0.9)]
+    result = paired(gateway, raw)
+    assert result["paired_ratio"] == pytest.approx(0.95)
+    added = sorted(1000 * (0.010 / ratio - 0.010) for ratio in (1.0, 0.8, 1.1, 0.9))
+    assert result["paired_ttft_added_ms"] == pytest.approx((added[1] + added[2]) / 2)
+    assert result["paired_ratio_turns"] == pytest.approx([1.0, 0.8, 1.1, 0.9], abs=1e-4)  # in turn order
+
+
 def test_the_median_interval_is_the_order_statistics_of_the_binomial() -> None:
     """95 % for the median: x(2)..x(8) of 9 (coverage 0.961; x(3)..x(7) would be 0.820) and the
     textbook x(8)..x(18) of 25; the order of the values does not matter."""
