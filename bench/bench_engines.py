@@ -22,6 +22,7 @@ import gc
 import json
 import os
 import platform
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -195,9 +196,9 @@ def thread_summary(done: list[Round]) -> dict[str, Any]:
     summary: dict[str, Any] = {}
     for key in ("main_on_cpu_pct", "main_runqueue_pct", "main_sleeps_per_s", "main_preempted_per_s",
                 "others_cpu_pct"):  # fmt: skip
-        values = sorted(u[key] for u in usages if key in u)
+        values = [u[key] for u in usages if key in u]
         if values:
-            summary[key] = values[len(values) // 2]
+            summary[key] = statistics.median(values)
     summary["others_by_name"] = usages[-1].get("others_by_name", {})
     return {"threads": summary}
 
