@@ -346,9 +346,12 @@ def test_each_worker_keeps_its_compiled_gpu_kernels_on_a_claim_of_its_own(docs: 
         env = {e["name"]: e.get("value") for e in container.get("env", [])}
         cache = env.get("TRITON_CACHE_DIR")
         assert cache, f"{worker['metadata']['name']}: no TRITON_CACHE_DIR"
+        # The mount the directory is on: the deepest whose path holds it.
         mounts = [m for m in container["volumeMounts"] if cache.startswith(m["mountPath"].rstrip("/") + "/")]
-        assert mounts and mounts[0]["name"] in claims and not mounts[0].get("readOnly"), worker["metadata"]
-        assert claims[mounts[0]["name"]]["spec"]["accessModes"] == ["ReadWriteOnce"]
+        assert mounts, f"{worker['metadata']['name']}: TRITON_CACHE_DIR is on no mount"
+        mount = max(mounts, key=lambda m: len(m["mountPath"]))
+        assert mount["name"] in claims and not mount.get("readOnly"), worker["metadata"]["name"]
+        assert claims[mount["name"]]["spec"]["accessModes"] == ["ReadWriteOnce"]
 
 
 def test_gateway_mounts_what_its_registry_names_and_probes_its_health_endpoints(
