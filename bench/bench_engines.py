@@ -31,6 +31,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
@@ -267,12 +269,15 @@ def run_overhead(args: argparse.Namespace, report: dict[str, Any]) -> None:
     if args.compare_threads:  # the same model, as shipped before: torch's default intra-op threads
         threads = {name: str(default_threads) for name in CPU_THREAD_VARIABLES}
         models.append(registry_entry("m-threads", args.engine, args.model, [0], args, threads))
-    if args.compare_env:  # the same model, its worker under other environment variables
+    if args.compare_env or args.compare_limits:  # the same model, its worker set otherwise
         # Its own trace file (unless the comparison sets one): two workers must not write one file.
         env_trace = {TRACE_VARIABLE: str(args.out_dir / f"trace-{args.engine}-gateway-env.jsonl")}
         env = {**(env_trace if args.trace else {}), **args.compare_env}
-        models.append(registry_entry("m-env", args.engine, args.model, [0], args, env))
+        entry = registry_entry("m-env", args.engine, args.model, [0], args, env)
+        entry["limits"].update({name: yaml.safe_load(value) for name, value in args.compare_limits.items()})
+        models.append(entry)
         report["settings"]["compare_env"] = args.compare_env
+        report["settings"]["compare_limits"] = args.compare_limits
     if args.admission_window_ms:  # the same model, its worker gathering bursts before a first step
         trace_env = {TRACE_VARIABLE: str(args.out_dir / f"trace-{args.engine}-gateway-window.jsonl")}
         entry = registry_entry(
@@ -361,7 +366,7 @@ def run_overhead(args: argparse.Namespace, report: dict[str, Any]) -> None:
             if args.compare_threads:
                 run["raw, torch threads"] = (lambda ids=ids: raw(ids(), default_threads), None)
                 run[THREADS_PATH] = (http(gw.url, "m-threads"), pids.get("m-threads"))
-            if args.compare_env:
+            if args.compare_env or args.compare_limits:
                 run[ENV_PATH] = (http(gw.url, "m-env"), pids.get("m-env"))
             if args.admission_window_ms:
                 run[WINDOW_PATH] = (http(gw.url, "m-window"), pids.get("m-window"))
@@ -656,7 +661,7 @@ def markdown(report: dict[str, Any]) -> str:
     for r in report["rows"]:
         if "default_paired_ratio" in r:
             spread = f"turns {r['default_paired_ratio_min']:.3f}-{r['default_paired_ratio_max']:.3f}"
-            env = report["settings"]["compare_env"]
+            env = {**report["settings"]["compare_env"], **report["settings"].get("compare_limits", {})}
             lines.append(f"| {r['streams']} streams: gateway / {r['path']} {env}, paired | "
                          f"{r['default_paired_ratio']:.3f} ({spread}); TTFT "
                          f"{r['default_paired_ttft_added_ms']:+.1f} ms | - |")  # fmt: skip
@@ -744,6 +749,14 @@ def main(argv: list[str] | None = None) -> int:
         metavar="NAME=VALUE[,NAME=VALUE]",
         help="also run a second worker of the same model with these environment variables (path 'gateway, "
         "env'), interleaved with the default one, and report the default against it per round",
+    )
+    parser.add_argument(
+        "--compare-limits",
+        type=env_assignments,
+        default={},
+        metavar="NAME=VALUE[,NAME=VALUE]",
+        help="the same second worker as --compare-env (path 'gateway, env'), with these `limits` of its "
+        "registry entry (say burst_gather_ms=0); the two options combine",
     )
     parser.add_argument(
         "--pin",

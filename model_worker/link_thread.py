@@ -75,6 +75,10 @@ class LinkThread:
         self.failure: BaseException | None = None
         self._inbound: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._to_prepare: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        # Generates read from the socket (this thread counts) and handed over prepared (the prompt
+        # thread counts): each count has one writer, so their difference needs no lock.
+        self._generates_read = 0
+        self._generates_prepared = 0
         self._outbound: queue.Queue[wire.Message] = queue.Queue(MAX_OUTBOUND)
         self._replies: collections.deque[wire.Message] = collections.deque()  # the prompt thread's
         # When each message in _outbound was handed over, in order; and, with a step trace on
@@ -172,6 +176,11 @@ class LinkThread:
     def wake(self) -> None:
         """Ends a take() that waits; safe in a signal handler (SimpleQueue.put is reentrant)."""
         self._inbound.put(_WAKE)
+
+    @property
+    def preparing(self) -> int:
+        """Generates that have arrived and are not handed over yet (their prompts being prepared)."""
+        return self._generates_read - self._generates_prepared
 
     @property
     def gateways(self) -> int:
@@ -297,6 +306,8 @@ class LinkThread:
                 if not forward:
                     continue
             if type(message) in self._handlers or type(message) in self._forward:
+                if type(message) is wire.Generate:
+                    self._generates_read += 1
                 self._to_prepare.put(message)
             else:
                 logger.warning("dropped an unexpected %s frame", type(message).__name__)
@@ -311,8 +322,9 @@ class LinkThread:
     def _prepare_loop(self) -> None:
         while (message := self._to_prepare.get()) is not _STOP:
             self._desk_set.wait()  # frames read while the model loads wait for it here
-            if self._desk is None:
-                continue  # stopping before the model was ever loaded
+            if self._desk is None:  # stopping before the model was ever loaded
+                self._generates_prepared += type(message) is wire.Generate
+                continue
             handler = self._handlers.get(type(message))
             if handler is not None:
                 handler(message)
@@ -321,7 +333,11 @@ class LinkThread:
 
     def _on_generate(self, msg: wire.Generate) -> None:
         assert self._desk is not None  # frames are read only once the desk is set
-        self._inbound.put(self._desk.prepare(msg))
+        prepared = self._desk.prepare(msg)
+        # Counted before the hand-over: a gather that then sees none preparing steps without this
+        # job (it joins the next step), never waits for one already handed over.
+        self._generates_prepared += 1
+        self._inbound.put(prepared)
 
     def _on_tokenize(self, msg: wire.Tokenize) -> None:
         assert self._desk is not None

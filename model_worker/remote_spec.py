@@ -19,6 +19,7 @@ import yaml
 from model_worker.settings_check import check_model
 from wire.env_expand import UnsetVariable, expand_env
 from wire.params import (
+    DEFAULT_BURST_GATHER_MS,
     DEFAULT_ENGINE,
     DEFAULT_HEARTBEAT_INTERVAL_S,
     DEFAULT_HEARTBEAT_TIMEOUT_S,
@@ -89,7 +90,10 @@ def remote_spec(config: str | Path, model: str) -> WorkerSpec:
         standby=entry.get("load") == "on_demand",
         **_constraint_budgets(entry),
         **_capacity(entry, f"{source}: model {name!r}"),
-        admission_window_s=_admission_window_s(entry, f"{source}: model {name!r}"),
+        admission_window_s=_wait_s(entry, "admission_window_ms", 0.0, 100, f"{source}: model {name!r}"),
+        burst_gather_s=_wait_s(
+            entry, "burst_gather_ms", DEFAULT_BURST_GATHER_MS, 1000, f"{source}: model {name!r}"
+        ),
     )
 
 
@@ -128,10 +132,11 @@ def _constraint_budgets(entry: dict[str, Any]) -> dict[str, Any]:
     return budgets
 
 
-def _admission_window_s(entry: dict[str, Any], where: str) -> float:
-    """limits.admission_window_ms, checked as the gateway's registry model checks it."""
-    value = (entry.get("limits") or {}).get("admission_window_ms", 0.0)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 100:
-        raise RemoteSpecError(f"{where}, field 'limits.admission_window_ms': must be a number from 0 to 100, "
+def _wait_s(entry: dict[str, Any], field: str, default: float, most: float, where: str) -> float:
+    """limits.<field> in ms (admission_window_ms, burst_gather_ms), checked as the gateway's registry
+    model checks it, in seconds."""
+    value = (entry.get("limits") or {}).get(field, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= most:
+        raise RemoteSpecError(f"{where}, field 'limits.{field}': must be a number from 0 to {most}, "
                               f"not {value!r}")  # fmt: skip
     return float(value) / 1000

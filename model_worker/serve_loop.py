@@ -86,6 +86,7 @@ class Worker:
         self._stop_requested = False  # SIGTERM or Shutdown: the goodbye says so
         self._ready: wire.Ready | None = None
         self._announce_draining = False
+        self._following = 0  # what the last Generate said its gateway was still admitting
         self.jobs: JobDesk | None = None
         self.embeddings: EmbeddingBatch | None = None
         self.standby = Standby(self)
@@ -292,7 +293,7 @@ class Worker:
         reported_held = 0  # the jobs held, as the last heartbeat told the gateways
         interval_s = self.spec.heartbeat_interval_s
         link, handlers = self.link, self._handlers
-        window_s = self.spec.admission_window_s
+        window_s, gather_s = self.spec.admission_window_s, self.spec.burst_gather_s
         while True:
             # Never wait for messages while jobs are active; wait only when idle (and only briefly
             # while a job waits for its constraint to compile in the compiler process, or a change
@@ -303,8 +304,12 @@ class Worker:
                 timeout_s = min(timeout_s, max(last_report + LOAD_REPORT_GAP_S - time.monotonic(), 0.0))
             for item in link.take(timeout_s):
                 handlers[type(item)](item)
-            if idle and window_s and engine.has_work():
-                self._gather_burst(window_s)
+            if idle and engine.has_work():
+                if gather_s and (self._following or link.preparing):
+                    self._gather_following(gather_s)
+                if window_s:
+                    self._gather_burst(window_s)
+                self._following = 0
             if embeddings.queue:
                 embeddings.run()
             if jobs.waiting:
@@ -356,6 +361,26 @@ class Worker:
                 jobs.abort_all("the model is being unloaded")
                 return
 
+    def _gather_following(self, limit_s: float) -> None:
+        """The engine was idle and has just been given a job, and more are on their way: the gateway
+        was still admitting others when it sent it (Generate.following), or their frames are here
+        with their prompts being prepared. Take them before the first step, so that the burst is
+        prefilled in one step, as the library prefills jobs it is handed together; without it the
+        first job steps alone and the others wait for that step. Waits up to limit_s in all, and a
+        quarter of it for each next job (the gateway's requests may have gone to another model)."""
+        link, handlers = self.link, self._handlers
+        deadline = time.monotonic() + limit_s
+        quiet_s = limit_s / 4
+        while self._following or link.preparing:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            items = link.take(min(quiet_s, left))
+            if not items:
+                return
+            for item in items:
+                handlers[type(item)](item)
+
     def _gather_burst(self, window_s: float) -> None:
         """The engine was idle and has just been given a job: take the rest of a burst that is on
         its way (requests sent together reach the worker about a gateway's admission apart) before
@@ -400,6 +425,7 @@ class Worker:
             text = NOT_LOADED if self.jobs is None else "the model is shutting down"
             self._send(wire.Rejected(rid, RejectCode.SHUTTING_DOWN, text, None))
             return
+        self._following = prepared.message.following
         self.jobs.generate(prepared)
 
     def _on_embed(self, msg: wire.Embed) -> None:

@@ -31,7 +31,9 @@ from wire.trace_context import TraceParent
 # 6: Retire (the leading gateway stops a listening worker for every gateway).
 # 7: Load and Unload (the leading gateway loads a standby worker's model and unloads it again), the
 # standby period in Status (`epoch`) and the worker's idle time in its load (`idle_s`).
-PROTOCOL_VERSION = 7
+# 8: Generate says how many requests its gateway is still admitting behind it (`following`): a
+# version 7 worker would refuse every Generate of version 8.
+PROTOCOL_VERSION = 8
 
 # ---- gateway -> worker -------------------------------------------------------------------------
 
@@ -39,7 +41,9 @@ PROTOCOL_VERSION = 7
 class Generate(Message, frozen=True):
     """Start one job. Exactly one of prompt, prompt_token_ids, messages is set. `traceparent`, set
     only while the gateway traces, is the W3C trace context of the gateway's request span: the
-    worker's span for this job becomes its child (wire.trace_context)."""
+    worker's span for this job becomes its child (wire.trace_context). `following`: the requests the
+    gateway was still admitting when it sent this one (for this model, or not yet parsed far enough
+    to know), so that an idle worker can start a burst in one step (model_worker.serve_loop)."""
 
     rid: str
     prompt: str | None
@@ -48,6 +52,7 @@ class Generate(Message, frozen=True):
     params: SamplingParams
     chat: ChatOptions | None = None  # with messages: tools and the template's switches
     traceparent: TraceParent | None = None
+    following: Count = 0
     TAG: ClassVar[str] = "gen"
 
     def __post_init__(self) -> None:

@@ -160,6 +160,9 @@ class WorkerSpec:
     max_constraint_compile_s: float = 5.0
     # An idle worker given a job waits up to this long for the rest of a burst (model_worker.serve_loop).
     admission_window_s: float = 0.0
+    # An idle worker given a job its gateway sent ahead of others it was still admitting waits up to
+    # this long for them (wire.messages.Generate.following; model_worker.serve_loop).
+    burst_gather_s: float = 0.0
     # The worker's own admission (model_worker.jobs): at most max_jobs running and max_queue waiting,
     # refused beyond (worker_full). 0: no cap of its own (a spawned worker; its gateway admits).
     max_jobs: int = 0
@@ -178,3 +181,4 @@ DEFAULT_MAX_SEQ_LEN = 4096
 DEFAULT_HEARTBEAT_INTERVAL_S = 1.0
 DEFAULT_HEARTBEAT_TIMEOUT_S = 30.0
 DEFAULT_MAX_CONCURRENT_JOBS = 8
+DEFAULT_BURST_GATHER_MS = 40.0

@@ -16,7 +16,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from gateway.config.hub import HubRef
-from wire.params import DEFAULT_ENGINE, DEFAULT_MAX_SEQ_LEN
+from wire.params import DEFAULT_BURST_GATHER_MS, DEFAULT_ENGINE, DEFAULT_MAX_SEQ_LEN
 
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 # Set by the gateway for each worker; a model's `env` may not override them.
@@ -65,6 +65,16 @@ class ModelLimits(_Strict):
         "its first step, so that requests sent together (a burst) are prefilled together instead of one "
         "step each; it stops waiting once no job has come for a quarter of it. Costs a lone request up to "
         "a quarter of it in time to first token. 0: no wait. Read by the worker (also from its copy of "
+        "the registry).",
+    )
+    burst_gather_ms: float = Field(
+        DEFAULT_BURST_GATHER_MS,
+        ge=0.0,
+        le=1000.0,
+        description="A worker with nothing to run that receives a job its gateway sent while still admitting "
+        "more requests (for this model, or not yet read far enough to know) waits for them before its first "
+        "step, up to this long in all and a quarter of it for each next one, so that a burst is prefilled in "
+        "one step. A lone request does not wait. 0: never wait. Read by the worker (also from its copy of "
         "the registry).",
     )
     request_timeout_s: float = Field(600.0, gt=0, description="Deadline for one request, queueing included.")

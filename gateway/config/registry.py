@@ -313,6 +313,7 @@ def worker_spec(model: ModelConfig, heartbeat_interval_s: float) -> WorkerSpec:
         max_constraint_states=model.limits.max_constraint_states,
         max_constraint_compile_s=model.limits.max_constraint_compile_s,
         admission_window_s=model.limits.admission_window_ms / 1000,
+        burst_gather_s=model.limits.burst_gather_ms / 1000,
     )
 
 

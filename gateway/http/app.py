@@ -37,6 +37,7 @@ from gateway.http import (
     responses_routes,
     tokenize_routes,
 )
+from gateway.http.admission_hooks import AdmissionHooks
 from gateway.http.anthropic_format import anthropic_error_body
 from gateway.http.anthropic_routes import is_anthropic_request
 from gateway.http.auth import Authenticator
@@ -127,11 +128,14 @@ def create_app(registry: Registry) -> Quart:
     )
     # The request id first, so a refused request is logged and answered with one too.
     app.before_request(begin_request)
+    admission = AdmissionHooks(gateway.service.admissions)
+    app.before_request(admission.begin)  # before auth: a burst counts from its first byte on
     app.before_request(BrowserGuard(registry.server, lambda: authenticator.enabled).before_request)
     app.before_request(authenticator.before_request)
     app.after_request(count_response)
     app.after_request(finish_request)
     app.teardown_request(end_request)
+    app.teardown_request(admission.end)
     for module in (openai_routes, embedding_routes, responses_routes, anthropic_routes, health_routes,
                    probe_routes, tokenize_routes, admin_routes, metrics_route, dashboard):  # fmt: skip
         app.register_blueprint(module.blueprint)

@@ -33,6 +33,12 @@ class WorkerCollector:
         for name, route in gateway.router.routes.items():
             queue.add_metric([name], route.waiting)
         yield queue
+        admitting = GaugeMetricFamily(
+            "gateway_requests_admitting",
+            "Requests begun and not yet sent to a worker (each Generate tells an idle worker of them).",
+        )
+        admitting.add_metric([], gateway.service.admissions.total)
+        yield admitting
         pair = ["model", "replica"]
         up = GaugeMetricFamily("gateway_worker_up", "1 if the worker is ready to serve.", labels=pair)
         state = GaugeMetricFamily(

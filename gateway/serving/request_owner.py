@@ -47,6 +47,7 @@ from gateway.errors import (
     as_api_error,
 )
 from gateway.observability.logging_setup import set_log_context
+from gateway.serving.admissions import CURRENT
 from gateway.serving.choice import Choice, NotStarted
 from gateway.serving.choice_text import Cut, TextPlan
 from gateway.serving.continuation import continue_choice
@@ -162,8 +163,13 @@ class RequestOwner:
             except ReplicasExhausted:
                 assert error is not None  # avoid is empty until an attempt failed
                 raise error from None
+            admission = CURRENT.get()
+            if admission is not None:
+                admission.end()  # its Generates go out now; a retry is not part of a burst
+            behind = self.service.admissions.behind(route.config.name) + len(self.choices)
             replies = [
-                self._start(choice, replica) for choice, replica in zip(self.choices, replicas, strict=True)
+                self._start(choice, replica, following=behind - 1 - index)
+                for index, (choice, replica) in enumerate(zip(self.choices, replicas, strict=True))
             ]
             failed: set[str] = set()
             for choice, reply in zip(self.choices, replies, strict=True):
@@ -207,8 +213,9 @@ class RequestOwner:
         error_class = QueueFull if limits.full_queue_status == 429 else ServiceUnavailable
         return error_class(message, code=RejectCode.WORKER_FULL.value, headers={"Retry-After": "1"})
 
-    def _start(self, choice: Choice, replica: WorkerHandle) -> NotStarted | None:
-        """Send the choice's Generate to its replica; a NotStarted at once if it cannot go out."""
+    def _start(self, choice: Choice, replica: WorkerHandle, following: int) -> NotStarted | None:
+        """Send the choice's Generate to its replica, saying how many more jobs this gateway is about
+        to send (gateway.serving.admissions); a NotStarted at once if it cannot go out."""
         link = self.service.link
         if choice.sent:  # a second attempt: a new job id, never confused with the cancelled one
             choice.rid = uuid.uuid4().hex
@@ -217,7 +224,7 @@ class RequestOwner:
         link.add_job(choice)
         generate = wire.Generate(choice.rid, choice.input.prompt, choice.input.prompt_token_ids,
                                  choice.input.messages, choice.params, choice.input.chat,
-                                 self.traceparent)  # fmt: skip
+                                 self.traceparent, following)  # fmt: skip
         try:
             frame = wire.encode(generate)
         except ENCODE_ERRORS as exc:

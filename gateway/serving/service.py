@@ -19,6 +19,7 @@ from gateway.errors import APIError, ServiceUnavailable
 from gateway.link.worker_link import WorkerLink
 from gateway.observability.metrics import RequestRecorder
 from gateway.observability.tracing import RequestSpan
+from gateway.serving.admissions import CURRENT, Admissions
 from gateway.serving.choice_text import TextPlan
 from gateway.serving.exchange_owner import ExchangeOwner
 from gateway.serving.outputs import ChoiceInput
@@ -48,6 +49,7 @@ class GenerationService:
         self.keepalive_s = keepalive_s
         self.write_stall_timeout_s = write_stall_timeout_s
         self.draining = False
+        self.admissions = Admissions()  # requests begun and not yet sent: what each Generate says
         self.requests: set[LiveRequest] = set()
         self._ticker: asyncio.Task[None] | None = None
 
@@ -76,11 +78,17 @@ class GenerationService:
     ) -> RequestOwner:
         """A new request's owner; call `admit()` on it next."""
         self._refuse_if_draining()
+        admission = CURRENT.get()
+        if admission is not None:
+            admission.route(route.config.name)
         return RequestOwner(self, route, inputs, params, deadline, recorder, streaming, text_plan, span)
 
     def open_exchange(self, route: ModelRoute, deadline: float) -> ExchangeOwner:
         """A new one-shot exchange's owner (tokenize, detokenize, embed); call `run()` on it next."""
         self._refuse_if_draining()
+        admission = CURRENT.get()
+        if admission is not None:
+            admission.end()  # no Generate follows: workers need not wait for it
         return ExchangeOwner(self, route, deadline)
 
     def _refuse_if_draining(self) -> None:

@@ -310,3 +310,21 @@ def test_the_admission_window_reaches_spawned_and_remote_workers_alike(tmp_path:
     remote.write_text(remote.read_text().replace("8}", "'soon'}"))
     with pytest.raises(RemoteSpecError, match=r"model 'm1', field 'limits.admission_window_ms'"):
         remote_spec(remote, "m1")
+
+
+def test_the_burst_gather_reaches_spawned_and_remote_workers_alike(tmp_path: Path) -> None:
+    from gateway.config.registry import worker_spec
+    from model_worker.remote_spec import RemoteSpecError, remote_spec
+
+    (tmp_path / "x").mkdir()
+    bare = "  - {name: m1, engine: transformers, path: x}\n"
+    spawned = worker_spec(load_registry(write(tmp_path, "models:\n" + bare)).models[0], 1.0)
+    remote = write(tmp_path, "models:\n" + bare.replace("path: x", "path: x, remote: true"))
+    assert spawned.burst_gather_s == remote_spec(remote, "m1").burst_gather_s == 0.04  # on by default
+    entry = bare.replace("path: x}", "path: x, limits: {burst_gather_ms: 0}}")
+    spawned = worker_spec(load_registry(write(tmp_path, "models:\n" + entry)).models[0], 1.0)
+    remote = write(tmp_path, "models:\n" + entry.replace("path: x,", "path: x, remote: true,"))
+    assert spawned.burst_gather_s == remote_spec(remote, "m1").burst_gather_s == 0.0
+    remote.write_text(remote.read_text().replace("0}", "2000}"))
+    with pytest.raises(RemoteSpecError, match=r"model 'm1', field 'limits.burst_gather_ms'.*1000"):
+        remote_spec(remote, "m1")

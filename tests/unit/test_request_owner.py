@@ -26,6 +26,7 @@ from gateway.link.worker_link import WorkerLink
 from gateway.observability.metrics import GatewayMetrics, RequestRecorder
 from gateway.reasoning.parsers import parser_named
 from gateway.reasoning.plan import ReasoningPlan
+from gateway.serving.admissions import CURRENT
 from gateway.serving.choice_text import TextPlan
 from gateway.serving.output_queue import KEEPALIVE, OutputQueue
 from gateway.serving.outputs import ChoiceInput
@@ -185,6 +186,42 @@ def test_a_request_runs_to_its_end_and_gives_everything_back(tmp_path: Path) -> 
             assert [c.output.text for c in owner.choices] == ["ac", "bd"]
             assert owner.outcome == 200 and r.status() == 200
             assert await r.cancels() == set()  # nothing to cancel: both finished
+            r.assert_all_released()
+
+    asyncio.run(scenario())
+
+
+def test_each_generate_says_how_many_requests_the_gateway_is_still_admitting(tmp_path: Path) -> None:
+    """Generate.following: the requests begun and not yet sent that may go to this model (read far
+    enough to be for it, or not read far enough to know), and the request's own later choices."""
+
+    async def scenario() -> None:
+        async with rig(tmp_path) as r:
+            admissions = r.service.admissions
+            elsewhere, unread, behind = admissions.begin(), admissions.begin(), admissions.begin()
+            elsewhere.route("another-model")
+            behind.route("m")
+
+            async def request(n: int) -> list[Any]:
+                CURRENT.set(admissions.begin())  # what the HTTP layer does as the request begins
+                return await consume(r.open(n=n))
+
+            handler = asyncio.create_task(request(2))
+            first, second = await r.peers["w0"].generates(2, accept=True)
+            assert (first.following, second.following) == (3, 2)
+            assert (admissions.behind("m"), admissions.total) == (2, 3)  # its own admission ended
+            for choice in (first, second):
+                await r.peers["w0"].send(wire.Step([output(choice.rid, "a", FinishReason.STOP)]))
+            await asyncio.wait_for(handler, 2)
+            unread.end()
+            behind.end()
+            handler = asyncio.create_task(request(1))
+            (lone,) = await r.peers["w0"].generates(1, accept=True)
+            assert lone.following == 0  # another model's request is no reason to wait
+            await r.peers["w0"].send(wire.Step([output(lone.rid, "a", FinishReason.STOP)]))
+            await asyncio.wait_for(handler, 2)
+            elsewhere.end()
+            assert admissions.total == 0
             r.assert_all_released()
 
     asyncio.run(scenario())
