@@ -10,8 +10,9 @@ engine's library does when it is handed all of them at once.
 
 An admission begins when the HTTP layer starts a request that may generate (a POST), before its
 body is read: that is when the burst is visible. Its model is not known yet; once it is
-(`route`), only the workers of that model count it. It ends when its first Generate goes out, or
-when the request ends without one (refused, an error, an endpoint that does not generate).
+(`route`), only the workers of that model count it. It ends when its first Generate goes out, when
+it starts to wait in the gateway's queue for a slot (no worker can take it in a burst then), or when
+the request ends without a Generate (refused, an error, an endpoint that does not generate).
 `CURRENT` carries the request's admission from the HTTP layer to the serving layer.
 """
 

@@ -22,6 +22,7 @@ from gateway.config.api_keys import Priority
 from gateway.config.models import ModelConfig
 from gateway.config.registry import Registry
 from gateway.errors import InvalidRequest, ModelNotFound, QueueFull, RequestTimeout, ServiceUnavailable
+from gateway.serving.admissions import CURRENT as ADMISSION
 from gateway.serving.priority import effective_rank, request_priority
 from wire.states import MAY_SERVE, WorkerState, model_state
 
@@ -212,6 +213,9 @@ class ModelRoute:
                     code="queue_full",
                     headers={"Retry-After": "1"},
                 )
+            admission = ADMISSION.get()
+            if admission is not None:
+                admission.end()  # waiting for a slot: no worker could take it in a burst now
             chosen = priority if priority is not None else request_priority()
             placed = await self._wait_for_slots(deadline, works, prompt_size, avoid, stop, chosen)
         now = time.monotonic()

@@ -227,6 +227,31 @@ def test_each_generate_says_how_many_requests_the_gateway_is_still_admitting(tmp
     asyncio.run(scenario())
 
 
+def test_a_request_waiting_for_a_slot_is_not_counted_as_coming(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with rig(tmp_path) as r:
+            admissions = r.service.admissions
+            full = asyncio.create_task(consume(r.open(n=4)))  # every slot of the one ready replica
+            jobs = await r.peers["w0"].generates(4, accept=True)
+
+            async def request() -> list[Any]:
+                CURRENT.set(admissions.begin())
+                return await consume(r.open())
+
+            queued = asyncio.create_task(request())
+            await async_wait_until(lambda: r.route.waiting == 1, "the request to wait for a slot")
+            assert admissions.total == 0
+            for job in jobs:
+                await r.peers["w0"].send(wire.Step([output(job.rid, "a", FinishReason.STOP)]))
+            (late,) = await r.peers["w0"].generates(1, accept=True)
+            assert late.following == 0
+            await r.peers["w0"].send(wire.Step([output(late.rid, "a", FinishReason.STOP)]))
+            await asyncio.wait_for(asyncio.gather(full, queued), 2)
+            r.assert_all_released()
+
+    asyncio.run(scenario())
+
+
 def test_prompt_tokens_found_in_the_engines_cache_are_counted_once_per_prompt(tmp_path: Path) -> None:
     """Two choices of one prompt each report the same 2 cached tokens of its 3: the metrics count the
     prompt once, like the usage's prompt_tokens_details.cached_tokens."""
