@@ -10,6 +10,7 @@ import pytest
 
 from gateway.config.registry import ConfigError, load_registry, worker_spec
 from tests.harness import REPO_ROOT
+from wire.params import WorkerSpec
 
 
 def write(tmp_path: Path, text: str) -> Path:
@@ -298,14 +299,19 @@ def test_replica_gpus_must_match_replicas(tmp_path: Path) -> None:
     assert [registry.models[0].gpus_of_replica(r) for r in range(2)] == [[0], [1]]
 
 
+def _spawned_and_remote(tmp_path: Path, entry: str) -> tuple[WorkerSpec, Path]:
+    """The spec a gateway gives a spawned worker for this one-model entry, and the same entry as a
+    remote model's file (what a remote worker reads)."""
+    (tmp_path / "x").mkdir(exist_ok=True)
+    spawned = worker_spec(load_registry(write(tmp_path, "models:\n" + entry)).models[0], 1.0)
+    return spawned, write(tmp_path, "models:\n" + entry.replace("path: x", "path: x, remote: true", 1))
+
+
 def test_the_admission_window_reaches_spawned_and_remote_workers_alike(tmp_path: Path) -> None:
-    from gateway.config.registry import worker_spec
     from model_worker.remote_spec import RemoteSpecError, remote_spec
 
-    (tmp_path / "x").mkdir()
     entry = "  - {name: m1, engine: transformers, path: x, limits: {admission_window_ms: 8}}\n"
-    spawned = worker_spec(load_registry(write(tmp_path, "models:\n" + entry)).models[0], 1.0)
-    remote = write(tmp_path, "models:\n" + entry.replace("path: x,", "path: x, remote: true,"))
+    spawned, remote = _spawned_and_remote(tmp_path, entry)
     assert spawned.admission_window_s == remote_spec(remote, "m1").admission_window_s == 0.008
     remote.write_text(remote.read_text().replace("8}", "'soon'}"))
     with pytest.raises(RemoteSpecError, match=r"model 'm1', field 'limits.admission_window_ms'"):
@@ -313,17 +319,12 @@ def test_the_admission_window_reaches_spawned_and_remote_workers_alike(tmp_path:
 
 
 def test_the_burst_gather_reaches_spawned_and_remote_workers_alike(tmp_path: Path) -> None:
-    from gateway.config.registry import worker_spec
     from model_worker.remote_spec import RemoteSpecError, remote_spec
 
-    (tmp_path / "x").mkdir()
-    bare = "  - {name: m1, engine: transformers, path: x}\n"
-    spawned = worker_spec(load_registry(write(tmp_path, "models:\n" + bare)).models[0], 1.0)
-    remote = write(tmp_path, "models:\n" + bare.replace("path: x", "path: x, remote: true"))
+    spawned, remote = _spawned_and_remote(tmp_path, "  - {name: m1, engine: transformers, path: x}\n")
     assert spawned.burst_gather_s == remote_spec(remote, "m1").burst_gather_s == 0.04  # on by default
-    entry = bare.replace("path: x}", "path: x, limits: {burst_gather_ms: 0}}")
-    spawned = worker_spec(load_registry(write(tmp_path, "models:\n" + entry)).models[0], 1.0)
-    remote = write(tmp_path, "models:\n" + entry.replace("path: x,", "path: x, remote: true,"))
+    entry = "  - {name: m1, engine: transformers, path: x, limits: {burst_gather_ms: 0}}\n"
+    spawned, remote = _spawned_and_remote(tmp_path, entry)
     assert spawned.burst_gather_s == remote_spec(remote, "m1").burst_gather_s == 0.0
     remote.write_text(remote.read_text().replace("0}", "2000}"))
     with pytest.raises(RemoteSpecError, match=r"model 'm1', field 'limits.burst_gather_ms'.*1000"):
