@@ -134,6 +134,16 @@ class ChatOptions(Struct, frozen=True):
             raise ValueError("add_generation_prompt and continue_final_message exclude each other")
 
 
+# Registry defaults that both processes apply: the gateway to the entries it validates, a remote
+# worker to the same file it reads on its own host.
+DEFAULT_ENGINE = "exllamav2"
+DEFAULT_MAX_SEQ_LEN = 4096
+DEFAULT_HEARTBEAT_INTERVAL_S = 1.0
+DEFAULT_HEARTBEAT_TIMEOUT_S = 30.0
+DEFAULT_MAX_CONCURRENT_JOBS = 8
+DEFAULT_BURST_GATHER_MS = 40.0
+
+
 @dataclass(frozen=True, slots=True)
 class WorkerSpec:
     """What a worker process needs to serve one model: written by the gateway for the workers it
@@ -150,7 +160,7 @@ class WorkerSpec:
     max_seq_len: int
     engine_settings: dict[str, Any]
     chat_template: str | None = None
-    heartbeat_interval_s: float = 1.0
+    heartbeat_interval_s: float = DEFAULT_HEARTBEAT_INTERVAL_S
     warmup_runs: int = 2
     # The model's `env` from the registry: set in the worker before its engine is imported.
     env: dict[str, str] = field(default_factory=dict)
@@ -162,23 +172,13 @@ class WorkerSpec:
     admission_window_s: float = 0.0
     # An idle worker given a job its gateway sent ahead of others it was still admitting waits up to
     # this long for them (wire.messages.Generate.following; model_worker.serve_loop).
-    burst_gather_s: float = 0.0
+    burst_gather_s: float = DEFAULT_BURST_GATHER_MS / 1000
     # The worker's own admission (model_worker.jobs): at most max_jobs running and max_queue waiting,
     # refused beyond (worker_full). 0: no cap of its own (a spawned worker; its gateway admits).
     max_jobs: int = 0
     max_queue: int = 0
     # A worker that listens (serves several gateways) forgets a gateway silent for this long.
-    heartbeat_timeout_s: float = 30.0
+    heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S
     # A listening worker of a `load: on_demand` model (cluster mode) starts in standby, without its
     # model, and loads it when the leading gateway sends Load.
     standby: bool = False
-
-
-# Registry defaults that both processes apply: the gateway to the entries it validates, a remote
-# worker to the same file it reads on its own host.
-DEFAULT_ENGINE = "exllamav2"
-DEFAULT_MAX_SEQ_LEN = 4096
-DEFAULT_HEARTBEAT_INTERVAL_S = 1.0
-DEFAULT_HEARTBEAT_TIMEOUT_S = 30.0
-DEFAULT_MAX_CONCURRENT_JOBS = 8
-DEFAULT_BURST_GATHER_MS = 40.0
