@@ -3,7 +3,8 @@
 Runs as a standalone process on the host that ran the benchmark, after it. A burst starts after a
 pause of more than `--gap-s` between one step's end and the next one's start; for each burst that
 reached `--min-jobs` jobs it prints its first `--steps` steps as (jobs, first tokens, prompt tokens
-prefilled, step ms, loop ms outside the step before it). So it shows whether a burst of requests
+prefilled, step ms, loop ms outside the step before it), and for a step after the worker gathered
+a burst also (why the gather ended, its ms). So it shows whether a burst of requests
 started in one step (the library's way, and an idle worker's with limits.burst_gather_ms) or one
 request first and the rest after.
 
@@ -19,7 +20,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-Step = tuple[int, int, int, float, float | None]
+Step = tuple[Any, ...]  # (jobs, first, prefill, step ms, outside ms[, (gather end, gather ms)])
 
 
 def bursts(lines: list[dict[str, Any]], gap_s: float, steps: int) -> list[tuple[int, list[Step]]]:
@@ -34,8 +35,11 @@ def bursts(lines: list[dict[str, Any]], gap_s: float, steps: int) -> list[tuple[
         most, shown = found[-1]
         found[-1] = (max(most, line["jobs"]), shown)
         if len(shown) < steps:
-            shown.append((line["jobs"], line["first"], line["prefill"], round(line["step_ms"], 1),
-                          line.get("outside_ms")))  # fmt: skip
+            step: Step = (line["jobs"], line["first"], line["prefill"], round(line["step_ms"], 1),
+                          line.get("outside_ms"))  # fmt: skip
+            if "gather_end" in line:
+                step += ((line["gather_end"], round(line["gather_ms"], 1)),)
+            shown.append(step)
     return found
 
 

@@ -306,7 +306,9 @@ class Worker:
                 handlers[type(item)](item)
             if idle and engine.has_work():
                 if gather_s and (self._following or link.preparing):
-                    self._gather_following(gather_s)
+                    gathered = self._gather_following(gather_s)
+                    if trace is not None:
+                        trace.note_gather(*gathered)
                 if window_s:
                     self._gather_burst(window_s)
                 self._following = 0
@@ -361,25 +363,31 @@ class Worker:
                 jobs.abort_all("the model is being unloaded")
                 return
 
-    def _gather_following(self, limit_s: float) -> None:
+    def _gather_following(self, limit_s: float) -> tuple[float, str]:
         """The engine was idle and has just been given a job, and more are on their way: the gateway
         was still admitting others when it sent it (Generate.following), or their frames are here
         with their prompts being prepared. Take them before the first step, so that the burst is
         prefilled in one step, as the library prefills jobs it is handed together; without it the
         first job steps alone and the others wait for that step. Waits up to limit_s in all, and a
-        quarter of it for each next job (the gateway's requests may have gone to another model)."""
+        quarter of it for each next job (the gateway's requests may have gone to another model).
+        Returns the seconds it waited and why it stopped: "told" (the last Generate said none was
+        coming and no prompt was being prepared), "quiet" (no job for a quarter of limit_s) or
+        "limit"."""
         link, handlers = self.link, self._handlers
-        deadline = time.monotonic() + limit_s
+        started = time.monotonic()
+        deadline = started + limit_s
         quiet_s = limit_s / 4
         while self._following or link.preparing:
             left = deadline - time.monotonic()
             if left <= 0:
-                return
+                return time.monotonic() - started, "limit"
             items = link.take(min(quiet_s, left))
             if not items:
-                return
+                ended = time.monotonic()
+                return ended - started, "limit" if ended >= deadline else "quiet"
             for item in items:
                 handlers[type(item)](item)
+        return time.monotonic() - started, "told"
 
     def _gather_burst(self, window_s: float) -> None:
         """The engine was idle and has just been given a job: take the rest of a burst that is on

@@ -26,6 +26,12 @@ Each line is one iteration that stepped the engine:
   cached      of those, the prompt tokens the engine found in its prefix cache instead of computing
               them, counted in the step that gave each job its first token (exllama: the pages and
               partial page each job reused)
+  gather_ms   the worker only, on the first step after it was idle and gathered a burst
+              (limits.burst_gather_ms): how long it waited for the burst's other jobs (part of
+              outside_ms)
+  gather_end  why that wait ended: "told" (the gateway's last Generate said no other request was
+              being admitted, and no prompt was being prepared), "quiet" (no job came for a quarter
+              of burst_gather_ms) or "limit" (burst_gather_ms in all)
 """
 
 from __future__ import annotations
@@ -65,6 +71,7 @@ class StepTrace:
         self._prefilled_before = 0
         self._cached_counter: Callable[[], int] | None = None
         self._cached_before = 0
+        self._gather: tuple[float, str] | None = None
 
     @classmethod
     def from_environment(cls) -> StepTrace | None:
@@ -77,6 +84,10 @@ class StepTrace:
         running total of those found in the engine's cache), how many of them were found."""
         self._prefill_counter = counter
         self._cached_counter = cached
+
+    def note_gather(self, seconds: float, reason: str) -> None:
+        """The loop waited `seconds` for a burst's jobs before the next step, and stopped for `reason`."""
+        self._gather = (seconds, reason)
 
     def before_step(self) -> None:
         if self._prefill_counter is not None:
@@ -113,6 +124,9 @@ class StepTrace:
             line["prefill"] = self._prefill_counter() - self._prefilled_before
         if self._cached_counter is not None:
             line["cached"] = self._cached_counter() - self._cached_before
+        if self._gather is not None:
+            line["gather_ms"], line["gather_end"] = round(self._gather[0] * 1000, 3), self._gather[1]
+            self._gather = None
         if self._events is not None:
             start, end = self._events
             end.record()

@@ -38,9 +38,18 @@ def _next(sock: zmq.Socket, kind: type[wire.Message]) -> tuple[bytes, wire.Messa
             return identity, message
 
 
-@pytest.mark.parametrize(("gather_s", "first_step"), [(30.0, 2), (0.0, 1)], ids=["gathers", "off"])
+@pytest.mark.parametrize(
+    ("gather_s", "rids", "first_step", "gather_end"),
+    [(30.0, ("a", "b"), 2, "told"), (0.2, ("a",), 1, "quiet"), (0.0, ("a", "b"), 1, None)],
+    ids=["gathers", "none-came", "off"],
+)
 def test_an_idle_worker_waits_for_the_requests_its_gateway_said_were_coming(
-    tmp_path: Path, demo_model_dir: Path, gather_s: float, first_step: int
+    tmp_path: Path,
+    demo_model_dir: Path,
+    gather_s: float,
+    rids: tuple[str, ...],
+    first_step: int,
+    gather_end: str | None,
 ) -> None:
     trace = tmp_path / "trace.jsonl"
     spec = {"name": "m", "engine": "transformers", "path": str(demo_model_dir), "max_seq_len": 512,
@@ -62,9 +71,10 @@ def test_an_idle_worker_waits_for_the_requests_its_gateway_said_were_coming(
         # The worker has the first job; the second is sent only now. Without the wait the first
         # step has begun already: the worker read no frame between accepting it and stepping.
         _next(router, wire.Accepted)
-        router.send_multipart([identity, wire.encode(wire.Generate("b", "hello", None, None, PARAMS))])
+        for rid in rids[1:]:
+            router.send_multipart([identity, wire.encode(wire.Generate(rid, "hello", None, None, PARAMS))])
         finished: set[str] = set()
-        while finished != {"a", "b"}:
+        while finished != set(rids):
             _, step = _next(router, wire.Step)
             assert isinstance(step, wire.Step)
             finished |= {o.rid for o in step.outputs if o.finish_reason is not None}
@@ -77,7 +87,12 @@ def test_an_idle_worker_waits_for_the_requests_its_gateway_said_were_coming(
         ctx.term()
     steps = [json.loads(line) for line in wait_until(lambda: trace.read_text().splitlines(), "the trace")]
     assert (steps[0]["jobs"], steps[0]["first"]) == (first_step, first_step), steps
-    assert sum(step["first"] for step in steps) == 2
+    assert sum(step["first"] for step in steps) == len(rids)
+    # The trace says how long the first step waited for the burst, and why it stopped waiting.
+    assert steps[0].get("gather_end") == gather_end, steps[0]
+    if gather_end == "quiet":  # it waited a quarter of burst_gather_ms for the job that never came
+        assert steps[0]["gather_ms"] >= gather_s / 4 * 1000
+    assert all("gather_ms" not in step for step in steps[1:])
 
 
 def _admitting(url: str) -> float:

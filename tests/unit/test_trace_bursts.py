@@ -24,7 +24,7 @@ def test_a_pause_starts_a_burst_and_each_shows_its_first_steps(
         line(0.06, 16, 0, 0, step_ms=510.0),
         line(0.58, 16, 0, 0),
     ]
-    together = [line(5.0, 16, 16, 2400), line(5.02, 16, 0, 0)]
+    together = [{**line(5.0, 16, 16, 2400), "gather_ms": 12.34, "gather_end": "told"}, line(5.02, 16, 0, 0)]
     single = [line(9.0, 1, 1, 150)]
     found = bursts(lone_first + together + single, gap_s=0.25, steps=2)
     assert [(most, [step[:3] for step in shown]) for most, shown in found] == [
@@ -40,5 +40,5 @@ def test_a_pause_starts_a_burst_and_each_shows_its_first_steps(
     assert printed[0].endswith("7 steps, 3 bursts")
     assert printed[1:] == [
         "   [(1, 1, 150, 20.0, 0.05)]",
-        "   [(16, 16, 2400, 20.0, 0.05)]",
+        "   [(16, 16, 2400, 20.0, 0.05, ('told', 12.3))]",
     ]  # not the lone one
