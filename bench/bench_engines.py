@@ -607,13 +607,15 @@ def thread_lines(rows: list[dict[str, Any]]) -> list[str]:
 
 def cpu_round_lines(rows: list[dict[str, Any]]) -> list[str]:
     """Each round's rate beside the CPU its engine thread ran on most (and the share of the
-    samples it ran there) and GPU 0's mean SM clock: whether one path's rounds were fast or slow
-    by the core they got, or by the clocks the GPU ran at."""
+    samples it ran there), GPU 0's mean SM clock and its least free memory: whether one path's
+    rounds were fast or slow by the core they got, by the clocks the GPU ran at, or with the GPU's
+    memory all but taken."""
     rows = [r for r in rows if r.get("engine_cpu_rounds") and r.get("tok_s_rounds")]
     if not rows:
         return []
     lines = [
-        "| path | streams | tok/s of each round @ the engine thread's CPU (share), GPU SM clock |",
+        "| path | streams | tok/s of each round @ the engine thread's CPU (share), GPU SM clock, "
+        "least GPU memory free |",
         "|---|---|---|",
     ]
     for r in rows:
@@ -621,6 +623,7 @@ def cpu_round_lines(rows: list[dict[str, Any]]) -> list[str]:
         cells = [
             (f"{rate:.0f} @ {cpu[0]} ({cpu[1]:.2f})" if cpu else f"{rate:.0f} @ -")
             + (f", {gpu['sm_mhz']:.0f} MHz" if gpu else "")
+            + (f", {gpu['free_mib_min'] / 1024:.1f} GiB free" if gpu and "free_mib_min" in gpu else "")
             for rate, cpu, gpu in zip(r["tok_s_rounds"], r["engine_cpu_rounds"], gpus, strict=False)
         ]
         lines.append(f"| {r['path']} | {r['streams']} | {', '.join(cells)} |")

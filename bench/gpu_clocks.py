@@ -1,10 +1,12 @@
 """The GPU's clocks and power over a benchmark run, to put beside each round's rate.
 
 Imported by bench/bench_engines.py (a standalone benchmark process on a GPU host). Owns one
-`nvidia-smi` child that prints GPU 0's SM and memory clocks, power and utilization every 100 ms,
-and a thread that stamps each line as it arrives. A CPU-bound step at one stream leaves the GPU
+`nvidia-smi` child that prints GPU 0's SM and memory clocks, power, utilization and free memory
+every 100 ms, and a thread that stamps each line as it arrives. A CPU-bound step at one stream leaves the GPU
 idle between kernels, and a GPU that lowers its clocks when idle slows the next step: the rounds of
 one path move between speeds 1.5-1.8x apart, and this says whether the GPU's clocks moved with them.
+The least free memory in a round says whether the processes sharing the GPU (the library's, every
+worker's) left each other room: a process whose allocator runs short frees and retries in its steps.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-FIELDS = "clocks.sm,clocks.mem,power.draw,utilization.gpu"
+FIELDS = "clocks.sm,clocks.mem,power.draw,utilization.gpu,memory.free"
 
 
 @dataclass(frozen=True)
@@ -25,19 +27,21 @@ class Sample:
     mem_mhz: float
     power_w: float
     busy_pct: float
+    free_mib: float
 
 
 def parse(line: str, at: float) -> Sample | None:
-    """'1980, 2619, 312.45, 97' -> a sample; None for a line nvidia-smi could not fill in."""
+    """'1980, 2619, 312.45, 97, 5120' -> a sample; None for a line nvidia-smi could not fill in."""
     try:
-        sm, mem, power, busy = (float(part) for part in line.split(","))
+        sm, mem, power, busy, free = (float(part) for part in line.split(","))
     except ValueError:
         return None
-    return Sample(at, sm, mem, power, busy)
+    return Sample(at, sm, mem, power, busy, free)
 
 
 def window(samples: list[Sample], start: float, end: float) -> dict[str, float] | None:
-    """Means over the samples taken between start and end; None when there were none."""
+    """Means over the samples taken between start and end, and the least free memory; None when
+    there were none."""
     inside = [s for s in samples if start <= s.at <= end]
     if not inside:
         return None
@@ -46,6 +50,7 @@ def window(samples: list[Sample], start: float, end: float) -> dict[str, float] 
         "mem_mhz": round(sum(s.mem_mhz for s in inside) / len(inside)),
         "power_w": round(sum(s.power_w for s in inside) / len(inside), 1),
         "busy_pct": round(sum(s.busy_pct for s in inside) / len(inside), 1),
+        "free_mib_min": min(s.free_mib for s in inside),
     }
 
 

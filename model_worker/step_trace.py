@@ -26,6 +26,11 @@ Each line is one iteration that stepped the engine:
   cached      of those, the prompt tokens the engine found in its prefix cache instead of computing
               them, counted in the step that gave each job its first token (exllama: the pages and
               partial page each job reused)
+  alloc_retries  CUDA only: times torch's caching allocator failed to find memory for this step and
+              freed its cached blocks to try again (each a device-wide synchronization); a process
+              squeezed by others on the same GPU shows it
+  device_allocs  CUDA only: cudaMalloc and cudaFree calls the allocator made in this step (none, once
+              the loop is warm, when the process has room)
   gather_ms   the worker only, on the first step after it was idle and gathered a burst
               (limits.burst_gather_ms): how long it waited for the burst's other jobs (part of
               outside_ms)
@@ -72,6 +77,10 @@ class StepTrace:
         self._cached_counter: Callable[[], int] | None = None
         self._cached_before = 0
         self._gather: tuple[float, str] | None = None
+        self._allocator_counter: Callable[[], tuple[int, int]] | None = None
+        self._allocations = (0, 0)
+        if self._torch is not None:
+            self.count_allocations(_cuda_allocator_counts)
 
     @classmethod
     def from_environment(cls) -> StepTrace | None:
@@ -84,6 +93,12 @@ class StepTrace:
         running total of those found in the engine's cache), how many of them were found."""
         self._prefill_counter = counter
         self._cached_counter = cached
+
+    def count_allocations(self, counter: Callable[[], tuple[int, int]]) -> None:
+        """Lines from now on say how often the GPU memory allocator retried and called the device
+        in each step: the rises of `counter()`'s running (retries, device mallocs + frees)."""
+        self._allocator_counter = counter
+        self._allocations = counter()
 
     def note_gather(self, seconds: float, reason: str) -> None:
         """The loop waited `seconds` for a burst's jobs before the next step, and stopped for `reason`."""
@@ -132,6 +147,11 @@ class StepTrace:
             end.record()
             end.synchronize()  # the step has already read its tokens back: this waits for nothing
             line["gpu_ms"] = round(start.elapsed_time(end), 3)
+        if self._allocator_counter is not None:
+            counts = self._allocator_counter()
+            line["alloc_retries"] = counts[0] - self._allocations[0]
+            line["device_allocs"] = counts[1] - self._allocations[1]
+            self._allocations = counts
         self._pending = line
         self._last_end = self._step_end
 
@@ -165,9 +185,21 @@ class StepTrace:
         self._file.close()
 
 
+def _cuda_allocator_counts() -> tuple[int, int]:
+    """torch's caching allocator, this process's current device: retries after a failed allocation,
+    and its calls to cudaMalloc and cudaFree."""
+    import torch
+
+    stats = torch.cuda.memory_stats()
+    return stats.get("num_alloc_retries", 0), stats.get("num_device_alloc", 0) + stats.get(
+        "num_device_free", 0
+    )
+
+
 def summarize(path: str) -> dict[str, Any]:
     """Medians of a trace's lines, overall and by batch size (for the benchmark's report)."""
-    lines = [json.loads(line) for line in open(path) if line.strip()]
+    with open(path) as trace:
+        lines = [json.loads(line) for line in trace if line.strip()]
     if not lines:
         return {"steps": 0}
 
@@ -184,6 +216,8 @@ def summarize(path: str) -> dict[str, Any]:
             "send_ms_p50": median([r.get("send_ms") for r in rows]),
             "link_ms_p50": median([r.get("link_ms") for r in rows]),
             "tokens_per_step": round(sum(r["tokens"] for r in rows) / len(rows), 2),
+            "alloc_retries": sum(r.get("alloc_retries", 0) for r in rows),
+            "device_allocs": sum(r.get("device_allocs", 0) for r in rows),
         }
 
     by_jobs: dict[int, list[dict[str, Any]]] = {}

@@ -203,11 +203,14 @@ def test_a_neighbour_load_must_be_shorter_than_its_period() -> None:
 
 
 def test_gpu_clock_samples_are_averaged_over_each_round() -> None:
-    lines = ["1980, 2619, 300.5, 90", "[N/A], 2619, 1, 1", "1410, 2619, 200.5, 50", "1980, 2619, 100, 10"]
+    lines = ["1980, 2619, 300.5, 90, 4096", "[N/A], 2619, 1, 1, 1", "1410, 2619, 200.5, 50, 2048",
+             "1980, 2619, 100, 10, 8192"]  # fmt: skip
     samples = [parse(line, at) for at, line in enumerate(lines)]
     assert samples[1] is None  # a field nvidia-smi could not read drops the line, not the run
     kept = [s for s in samples if s is not None]
-    assert window(kept, 0, 2) == {"sm_mhz": 1695, "mem_mhz": 2619, "power_w": 250.5, "busy_pct": 70.0}
+    assert window(kept, 0, 2) == {
+        "sm_mhz": 1695, "mem_mhz": 2619, "power_w": 250.5, "busy_pct": 70.0, "free_mib_min": 2048.0
+    }  # fmt: skip
     assert window(kept, 3, 3)["sm_mhz"] == 1980 and window(kept, 4, 9) is None
 
 

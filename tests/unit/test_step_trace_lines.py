@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from model_worker.step_trace import StepTrace
+from model_worker.step_trace import StepTrace, summarize
 
 
 def _step(trace: StepTrace, job: str, waits_taken_meanwhile: int) -> None:
@@ -59,3 +59,20 @@ def test_each_line_says_how_many_prompt_tokens_its_step_prefilled(tmp_path: Path
     assert [line["prefill"] for line in lines] == [2048, 700, 0]
     assert [line["cached"] for line in lines] == [0, 512, 0]
     assert [line["first"] for line in lines] == [0, 1, 0]
+
+
+def test_each_line_says_how_often_the_gpu_allocator_retried_and_called_the_device(tmp_path: Path) -> None:
+    path = tmp_path / "trace.jsonl"
+    trace = StepTrace(str(path))
+    counts = [(3, 40)]  # what start-up left: not any step's
+    trace.count_allocations(lambda: counts[-1])
+    for grown in ((3, 40), (5, 46), (5, 46)):  # a step with room, a squeezed one, one with room again
+        trace.before_step()
+        counts.append(grown)
+        trace.after_step([("a", 1, False)])
+        trace.after_send()
+    trace.close()
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [(line["alloc_retries"], line["device_allocs"]) for line in lines] == [(0, 0), (2, 6), (0, 0)]
+    summary = summarize(str(path))["all"]
+    assert (summary["alloc_retries"], summary["device_allocs"]) == (2, 6)
