@@ -190,7 +190,7 @@ def _cuda_allocator_counts() -> tuple[int, int]:
     and its calls to cudaMalloc and cudaFree."""
     import torch
 
-    stats = torch.cuda.memory_stats()
+    stats = torch.cuda.memory_stats_as_nested_dict()  # unflattened: the three are top-level counts
     return stats.get("num_alloc_retries", 0), stats.get("num_device_alloc", 0) + stats.get(
         "num_device_free", 0
     )
