@@ -2,9 +2,10 @@
 
 Imported by bench/bench_engines.py (a standalone benchmark process on a GPU host). Owns one
 `nvidia-smi` child that prints GPU 0's SM and memory clocks, power, utilization and free memory
-every 100 ms, and a thread that stamps each line as it arrives. A CPU-bound step at one stream leaves the GPU
-idle between kernels, and a GPU that lowers its clocks when idle slows the next step: the rounds of
-one path move between speeds 1.5-1.8x apart, and this says whether the GPU's clocks moved with them.
+every 100 ms, and a thread that stamps each line as it arrives. A CPU-bound step at one stream
+leaves the GPU idle between kernels, and a GPU that lowers its clocks when idle slows the next step:
+the rounds of one path move between speeds 1.5-1.8x apart, and this says whether the GPU's clocks
+moved with them.
 The least free memory in a round says whether the processes sharing the GPU (the library's, every
 worker's) left each other room: a process whose allocator runs short frees and retries in its steps.
 """
