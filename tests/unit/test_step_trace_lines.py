@@ -7,7 +7,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from model_worker.step_trace import StepTrace, summarize
+import pytest
+
+from model_worker.step_trace import StepTrace, _cuda_allocator_counts, summarize
 
 
 def _step(trace: StepTrace, job: str, waits_taken_meanwhile: int) -> None:
@@ -76,3 +78,14 @@ def test_each_line_says_how_often_the_gpu_allocator_retried_and_called_the_devic
     assert [(line["alloc_retries"], line["device_allocs"]) for line in lines] == [(0, 0), (2, 6), (0, 0)]
     summary = summarize(str(path))["all"]
     assert (summary["alloc_retries"], summary["device_allocs"]) == (2, 6)
+
+
+def test_the_allocator_counts_come_from_torchs_own_statistics(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    stats = {"num_alloc_retries": 2, "num_device_alloc": 5, "num_device_free": 3, "allocated_bytes": {}}
+    # raising=True (the default): the public function must exist in the torch this project pins.
+    monkeypatch.setattr(torch.cuda, "memory_stats_as_nested_dict", lambda: stats)
+    assert _cuda_allocator_counts() == (2, 8)
+    monkeypatch.setattr(torch.cuda, "memory_stats_as_nested_dict", dict)  # CUDA not initialized yet
+    assert _cuda_allocator_counts() == (0, 0)
