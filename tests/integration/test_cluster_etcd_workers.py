@@ -104,7 +104,7 @@ def _row(gateway: GatewayProcess, worker_id: str) -> dict[str, Any] | None:
 def _complete(gateway: GatewayProcess) -> httpx.Response:
     return httpx.post(
         gateway.url + "/v1/completions",
-        json={"model": "shared", "prompt": "Hello", "max_tokens": 4},
+        json={"model": "shared", "prompt": "Hello", "max_tokens": 4, "ignore_eos": True},
         timeout=60,
     )
 

@@ -161,7 +161,7 @@ def _row(gateway: GatewayProcess) -> dict[str, Any] | None:
 def _complete(gateway: GatewayProcess) -> httpx.Response:
     return httpx.post(
         gateway.url + "/v1/completions",
-        json={"model": MODEL, "prompt": "Hello", "max_tokens": 4},
+        json={"model": MODEL, "prompt": "Hello", "max_tokens": 4, "ignore_eos": True},
         timeout=60,
     )
 

@@ -129,7 +129,7 @@ def _decisions(cluster: OnDemandCluster) -> set[str]:
 def _complete(gateway: GatewayProcess, model: str) -> httpx.Response:
     return httpx.post(
         gateway.url + "/v1/completions",
-        json={"model": model, "prompt": "Hello", "max_tokens": 4},
+        json={"model": model, "prompt": "Hello", "max_tokens": 4, "ignore_eos": True},
         timeout=120,
     )
 

@@ -163,7 +163,8 @@ def test_one_worker_serves_two_gateways_within_its_own_cap(
     first, second = gateways
     for gateway in gateways:
         reply = httpx.post(
-            gateway.url + "/v1/completions", json={"model": "shared", "prompt": "hi", "max_tokens": 4}
+            gateway.url + "/v1/completions",
+            json={"model": "shared", "prompt": "hi", "max_tokens": 4, "ignore_eos": True},
         )
         assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 4
     streams = [Stream(gateway, 120) for gateway in (first, second) for _ in range(3)]
@@ -255,7 +256,7 @@ def test_gateways_that_reuse_the_port_share_it_and_its_requests(
         for rid in ids:  # each on a connection of its own, so the kernel picks a gateway for each
             reply = httpx.post(
                 f"http://127.0.0.1:{port}/v1/completions",
-                json={"model": "shared", "prompt": "hi", "max_tokens": 2},
+                json={"model": "shared", "prompt": "hi", "max_tokens": 2, "ignore_eos": True},
                 headers={"X-Request-ID": rid},
                 timeout=60,
             )

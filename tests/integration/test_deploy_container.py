@@ -74,7 +74,7 @@ def test_the_cpu_image_serves_a_request_from_compose() -> None:
             context=compose_logs,
             retry_on=(httpx.HTTPError,),
         )
-        body = {"model": "demo-small", "prompt": "Hello", "max_tokens": 8}
+        body = {"model": "demo-small", "prompt": "Hello", "max_tokens": 8, "ignore_eos": True}
         reply = httpx.post(url + "/v1/completions", json=body, timeout=60)
         assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 8
         # The container's own health check (the image's HEALTHCHECK) turns healthy.

@@ -125,7 +125,8 @@ def test_authorized_worker_joins_and_serves(
     info = next(w for w in gateway.workers() if w["id"] == "far@good")
     assert info["remote"] is True and info["pid"] == good_worker.pid and info["model"] == "far"
     reply = httpx.post(
-        gateway.url + "/v1/completions", json={"model": "far", "prompt": "hi", "max_tokens": 5}
+        gateway.url + "/v1/completions",
+        json={"model": "far", "prompt": "hi", "max_tokens": 5, "ignore_eos": True},
     )
     assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 5
     assert httpx.get(gateway.url + "/health/ready", timeout=5).status_code == 200
