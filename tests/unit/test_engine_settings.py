@@ -30,10 +30,11 @@ def registry(tmp_path: Path, entry: str) -> Path:
         ("max_seq_len: 8192, engine_settings: {cache_size: 4096}", "cache_size", "needs at least 8192"),
         # A drafting job holds 4 tokens past max_seq_len, which takes one more page.
         ("max_seq_len: 4096, engine_settings: {cache_size: 4096, ngram_draft: true}", "cache_size",
-         "plus its draft tokens; it needs at least 4352"),
+         "(exllamav2 reserves the draft window); it needs at least 4352"),
         ("engine_settings: {max_chunk_size: 1000}", "max_chunk_size", "whole cache pages), e.g. 768"),
         ("engine_settings: {max_chunk_size: 100}", "max_chunk_size", "e.g. 256"),
         ("engine_settings: {cache_size: 100}", "cache_size", "greater than or equal to 256"),
+        ("engine_settings: {gpu_split: [0]}", "gpu_split", "at least one GPU a positive number of GB"),
     ],
 )  # fmt: skip
 def test_exllamav2_refusals_name_the_field(tmp_path: Path, entry: str, field: str, fragment: str) -> None:

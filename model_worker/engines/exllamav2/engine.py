@@ -21,8 +21,9 @@ from typing import Any
 from model_worker.devices import cuda_devices
 from model_worker.engines.base import GREEDY_BELOW_TEMPERATURE, ProgressCallback, RequestRejected
 from model_worker.engines.dynamic_generator import DynamicGeneratorEngine, GeneratorJob
+from model_worker.engines.exllama_settings import NUM_DRAFT_TOKENS, round_up
 from model_worker.engines.exllamav2 import extensions, loading, scoring
-from model_worker.engines.exllamav2.settings import NUM_DRAFT_TOKENS, ExLlamaV2Settings, round_up
+from model_worker.engines.exllamav2.settings import ExLlamaV2Settings
 from model_worker.engines.gpu_logprobs import StepLogprobs
 from model_worker.engines.structured_output import (
     build_parser,

@@ -17,8 +17,9 @@ from typing import Any
 from model_worker.devices import cuda_devices
 from model_worker.engines.base import GREEDY_BELOW_TEMPERATURE, ProgressCallback, RequestRejected
 from model_worker.engines.dynamic_generator import DynamicGeneratorEngine
+from model_worker.engines.exllama_settings import NUM_DRAFT_TOKENS
 from model_worker.engines.exllamav3 import loading
-from model_worker.engines.exllamav3.settings import NGRAM_MATCH_MIN, NUM_DRAFT_TOKENS, ExLlamaV3Settings
+from model_worker.engines.exllamav3.settings import NGRAM_MATCH_MIN, ExLlamaV3Settings
 from model_worker.engines.gpu_logprobs import StepLogprobs
 from model_worker.engines.structured_output import wants_json
 from model_worker.engines.validation import completion_budget
