@@ -163,8 +163,13 @@ two_gpu_tests=(tests/gpu/test_mixed_registry.py tests/gpu/test_gateway_gpu.py::t
                tests/gpu/test_gateway_gpu.py::test_exllamav3_over_two_gpus)
 for stage in $stages; do
     case $stage in
-        tests) run_pytest tests 540 tests/gpu --ignore tests/gpu/test_mixed_registry.py \
-                   --ignore tests/gpu/test_real_model_gpu.py ;;
+        tests)  # the two-GPU tests run in their own stage, in a fresh process, when it is asked for
+            deselect=()
+            if ((gpus >= 2)) && [[ " $stages " == *" two-gpus "* ]]; then
+                for test in "${two_gpu_tests[@]}"; do [[ $test == *::* ]] && deselect+=(--deselect "$test"); done
+            fi
+            run_pytest tests 540 tests/gpu --ignore tests/gpu/test_mixed_registry.py \
+                --ignore tests/gpu/test_real_model_gpu.py "${deselect[@]}" ;;
         real-model) real_model ;;
         quant-bench)  # QUANT_PRESET (default 1b; llama3-8b if its conversions fit a run) at 4 bpw, benchmarked
             preset=${QUANT_PRESET:-1b}

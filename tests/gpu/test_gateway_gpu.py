@@ -258,9 +258,10 @@ def test_models_on_two_gpus_are_pinned(tiny_model: Path, tiny_model_b: Path, tmp
 @TWO_GPUS
 def test_one_model_autosplit_over_two_gpus(big_model: Path, tmp_path: Path) -> None:
     require_mode("exllamav2-paged")
-    # An 8B model fits one H200; reserving most of each GPU makes autosplit spill onto the second.
-    total_gb = torch.cuda.get_device_properties(0).total_memory / 1024**3
-    reserve = round(total_gb - 12)
+    # An 8B model (16 GB) fits one GPU; leaving 12 GB of the first one's free memory makes autosplit
+    # spill onto the second. Free, not total: engines of earlier tests in this session may hold some.
+    free_gb = torch.cuda.mem_get_info(0)[0] / 1024**3
+    reserve = round(free_gb - 12)
     model = entry("big", big_model, [0, 1], max_seq_len=4096, reserve_vram_gb=reserve, max_chunk_size=2048)
     with start(tmp_path, [model]) as gw:
         with httpx.Client(base_url=gw.url) as http:
