@@ -1,7 +1,8 @@
 """Leader election on an etcd lease: one gateway holds PREFIX/leader, the others wait for it to go.
 
 Runs in the gateway process, on its asyncio loop. Owns `EtcdLeader`, one implementation of
-`gateway.cluster.membership.Leader`.
+`gateway.cluster.membership.Leader` (its term, step-down timer and task are kept by its base,
+`gateway.cluster.backend_base.CampaigningLeader`), its etcd session and its lease.
 
 - Campaign: grant a lease, then one transaction: if PREFIX/leader does not exist, put it (value:
   this gateway's identity) on that lease. The put's revision is the leadership's *term*, a
@@ -27,6 +28,7 @@ from collections.abc import Callable
 
 import aetcd.exceptions
 
+from gateway.cluster.backend_base import CampaigningLeader
 from gateway.cluster.etcd_session import UNREACHABLE, EtcdSession
 from gateway.cluster.membership import HolderUnknown, cancel_and_wait
 from gateway.cluster.settings import EtcdSettings
@@ -36,15 +38,16 @@ logger = logging.getLogger(__name__)
 _TROUBLE = (*UNREACHABLE, aetcd.exceptions.ClientError)
 
 
-class EtcdLeader:
+class EtcdLeader(CampaigningLeader):
+    _task_name = "etcd-leader"
+
     def __init__(
         self,
         settings: EtcdSettings,
         identity: str,
         on_change: Callable[[bool], None] | None = None,
     ) -> None:
-        self._identity = identity
-        self._on_change = on_change
+        super().__init__(identity, on_change)
         self._ttl_s = settings.leader_ttl_s
         # Step down this long before the lease could expire: a refresh in flight and the loop's own lag.
         self._margin_s = min(settings.request_timeout_s, settings.leader_ttl_s / 4)
@@ -52,37 +55,13 @@ class EtcdLeader:
         self._key = f"{settings.prefix}leader".encode()
         self._decisions = f"{settings.prefix}decisions/"
         self._session = EtcdSession(settings.endpoints, settings.request_timeout_s)
-        self._term: int | None = None
         self._lease_id: int | None = None
         self._lost = asyncio.Event()
-        self._step_down_timer: asyncio.TimerHandle | None = None
-        self._task: asyncio.Task[None] | None = None
 
     # -- Leader -------------------------------------------------------------------------------------
 
-    @property
-    def identity(self) -> str:
-        return self._identity
-
-    @property
-    def is_leader(self) -> bool:
-        return self._term is not None
-
-    @property
-    def term(self) -> int | None:
-        """The etcd revision at which this leadership began (a fencing token); None when not leading."""
-        return self._term
-
-    async def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.create_task(self._campaign(), name=f"etcd-leader-{self._identity}")
-
-    async def resign(self) -> None:
-        if self._task is not None:
-            await cancel_and_wait(self._task)
-            self._task = None
-        term, lease_id = self._term, self._lease_id
-        self._step_down("resigned")
+    async def _release(self, term: int | None) -> None:
+        lease_id = self._lease_id
         if lease_id is not None:
             try:
                 if term is not None:  # delete the key first: followers take over at once
@@ -99,8 +78,7 @@ class EtcdLeader:
                 )
             self._lease_id = None
 
-    async def stop(self) -> None:
-        await self.resign()
+    async def _close(self) -> None:
         await self._session.close()
 
     async def holder(self) -> str | None:
@@ -265,31 +243,18 @@ class EtcdLeader:
         self._arm_timer(sent)
         if self._term == term:  # still leading: etcd was back before the timer ran out
             return
-        self._term = term
         self._lost.clear()
-        logger.info("%s is the leader (term %s, lease TTL %s s)", self._identity, term, self._ttl_s)
-        if self._on_change is not None:
-            self._on_change(True)
+        self._begin_term(term, f"term {term}, lease TTL {self._ttl_s} s")
 
     def _arm_timer(self, refreshed_at: float) -> None:
-        if self._step_down_timer is not None:
-            self._step_down_timer.cancel()
-        when = refreshed_at + self._ttl_s - self._margin_s
-        self._step_down_timer = asyncio.get_running_loop().call_at(
-            when, self._step_down, "its lease could not be refreshed in time"
+        self._arm_step_down(
+            refreshed_at + self._ttl_s - self._margin_s, "its lease could not be refreshed in time"
         )
 
     def _step_down(self, why: str) -> None:
-        if self._step_down_timer is not None:
-            self._step_down_timer.cancel()
-            self._step_down_timer = None
-        if self._term is None:
-            return
-        self._term = None
-        self._lost.set()
-        logger.warning("%s is no longer the leader: %s", self._identity, why)
-        if self._on_change is not None:
-            self._on_change(False)
+        if self.is_leader:
+            self._lost.set()  # ends _hold
+        super()._step_down(why)
 
     async def _cancel(self, watch: aetcd.Watch) -> None:
         try:

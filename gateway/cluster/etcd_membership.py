@@ -2,7 +2,8 @@
 watch from the listing's revision on; a record whose lease expires is deleted by etcd and leaves.
 
 Runs in the gateway process, on its asyncio loop (aetcd is asyncio-native). Owns `EtcdMembership`,
-one implementation of `gateway.cluster.membership.Membership`.
+one implementation of `gateway.cluster.membership.Membership` (its task and table are kept by its
+base, `gateway.cluster.backend_base.WatchingMembership`), and its etcd session.
 
 When etcd cannot be reached the view stays as it was (routing goes on to the workers known,
 whose own link tells whether they are alive), with one warning; the session then tries the next
@@ -15,14 +16,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 import aetcd.exceptions
 from pydantic import ValidationError
 
+from gateway.cluster.backend_base import WatchingMembership
 from gateway.cluster.etcd_session import UNREACHABLE, EtcdSession
-from gateway.cluster.membership import MembershipChange, MemberTable, WorkerRecord, cancel_and_wait
+from gateway.cluster.membership import WorkerRecord
 from gateway.cluster.settings import EtcdSettings
 
 logger = logging.getLogger(__name__)
@@ -33,40 +34,17 @@ def worker_key(prefix: str, worker_id: str) -> bytes:
     return f"{prefix}workers/{worker_id}".encode()
 
 
-class EtcdMembership:
+class EtcdMembership(WatchingMembership):
+    _task_name = "etcd-membership"
+
     def __init__(self, settings: EtcdSettings) -> None:
+        super().__init__()
         self._prefix = worker_key(settings.prefix, "")
         self._retry_interval_s = settings.retry_interval_s
         self._session = EtcdSession(settings.endpoints, settings.request_timeout_s)
-        self._table = MemberTable()
-        self._connected = False
-        self._synced = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
 
-    # -- Membership ---------------------------------------------------------------------------------
-
-    async def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.create_task(self._run(), name="etcd-membership")
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            await cancel_and_wait(self._task)
-            self._task = None
+    async def _close(self) -> None:
         await self._session.close()
-
-    async def synced(self) -> None:
-        await self._synced.wait()
-
-    @property
-    def connected(self) -> bool:
-        return self._connected
-
-    def members(self) -> Mapping[str, WorkerRecord]:
-        return self._table.members()
-
-    def changes(self) -> AsyncIterator[MembershipChange]:
-        return self._table.changes()
 
     # -- listing and watching -----------------------------------------------------------------------
 

@@ -1,7 +1,8 @@
 """Leader election on a Kubernetes Lease (coordination.k8s.io/v1), the way client-go does it.
 
 Runs in the gateway process, on its asyncio loop. Owns `LeaseLeader`, one implementation of
-`gateway.cluster.membership.Leader`.
+`gateway.cluster.membership.Leader` (its term, step-down timer and task are kept by its base,
+`gateway.cluster.backend_base.CampaigningLeader`), and the leader Lease as this gateway last saw it.
 
 Every `retry_period_s` each gateway reads the Lease:
 - nobody holds it (absent, or no holderIdentity): take it (create, or replace);
@@ -12,7 +13,8 @@ Every `retry_period_s` each gateway reads the Lease:
 Every write is a replace carrying the resourceVersion read, so two gateways racing get one 200
 and one 409 Conflict; the loser stays a follower. A leader that has not renewed for
 `renew_deadline_s` (below the lease duration) steps down on a timer, before anyone may take over.
-Resigning writes an empty holder, so a follower takes over at its next read.
+Resigning writes an empty holder, so a follower takes over at its next read. A leadership's term is
+the Lease's leaseTransitions when it began.
 
 Holder (who leads now, for a decision asked of a follower): the Lease read afresh; its
 holderIdentity, or none when it is empty or renewTime + leaseDurationSeconds has passed. This one
@@ -40,8 +42,9 @@ from lightkube.models.coordination_v1 import LeaseSpec
 from lightkube.models.meta_v1 import ObjectMeta
 from lightkube.resources.coordination_v1 import Lease
 
+from gateway.cluster.backend_base import CampaigningLeader
 from gateway.cluster.k8s_membership import API_TROUBLE, api_client
-from gateway.cluster.membership import HolderUnknown, cancel_and_wait
+from gateway.cluster.membership import HolderUnknown
 from gateway.cluster.settings import KubernetesSettings
 
 logger = logging.getLogger(__name__)
@@ -49,7 +52,9 @@ logger = logging.getLogger(__name__)
 DECISION_ANNOTATION = "llm-gateway.io/decision"
 
 
-class LeaseLeader:
+class LeaseLeader(CampaigningLeader):
+    _task_name = "k8s-leader"
+
     def __init__(
         self,
         settings: KubernetesSettings,
@@ -57,44 +62,19 @@ class LeaseLeader:
         on_change: Callable[[bool], None] | None = None,
         client: AsyncClient | None = None,
     ) -> None:
+        super().__init__(identity, on_change)
         self._settings = settings
-        self._identity = identity
-        self._on_change = on_change
         self._client = client if client is not None else api_client(settings)
         self._owns_client = client is None
         self._lease: Lease | None = None  # as last read or written
         self._observed: tuple[str | None, datetime | None, str | None] | None = None
         self._observed_at = 0.0  # loop time at which _observed last changed
-        self._term: int | None = None
-        self._step_down_timer: asyncio.TimerHandle | None = None
-        self._task: asyncio.Task[None] | None = None
 
     # -- Leader -------------------------------------------------------------------------------------
 
-    @property
-    def identity(self) -> str:
-        return self._identity
-
-    @property
-    def is_leader(self) -> bool:
-        return self._term is not None
-
-    @property
-    def term(self) -> int | None:
-        """The Lease's leaseTransitions when this leadership began; None when not leading."""
-        return self._term
-
-    async def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.create_task(self._campaign(), name=f"k8s-leader-{self._identity}")
-
-    async def resign(self) -> None:
-        if self._task is not None:
-            await cancel_and_wait(self._task)
-            self._task = None
-        lease, was_leader = self._lease, self.is_leader
-        self._step_down("resigned")
-        if was_leader and lease is not None and lease.spec is not None:
+    async def _release(self, term: int | None) -> None:
+        lease = self._lease
+        if term is not None and lease is not None and lease.spec is not None:
             lease.spec.holderIdentity = None
             lease.spec.renewTime = _now()
             try:
@@ -106,8 +86,7 @@ class LeaseLeader:
                     self._settings.lease_duration_s,
                 )
 
-    async def stop(self) -> None:
-        await self.resign()
+    async def _close(self) -> None:
         if self._owns_client:
             await self._client.close()
 
@@ -251,30 +230,9 @@ class LeaseLeader:
 
     def _won(self, term: int, sent: float) -> None:
         """The Lease is ours as of `sent` (when the read that led to this write was sent)."""
-        if self._step_down_timer is not None:
-            self._step_down_timer.cancel()
-        self._step_down_timer = asyncio.get_running_loop().call_at(
-            sent + self._settings.renew_deadline_s, self._step_down, "the Lease was not renewed in time"
-        )
-        if self._term is not None:
-            return
-        self._term = term
-        logger.info(
-            "%s is the leader (Lease %s, transition %s)", self._identity, self._settings.lease_name, term
-        )
-        if self._on_change is not None:
-            self._on_change(True)
-
-    def _step_down(self, why: str) -> None:
-        if self._step_down_timer is not None:
-            self._step_down_timer.cancel()
-            self._step_down_timer = None
+        self._arm_step_down(sent + self._settings.renew_deadline_s, "the Lease was not renewed in time")
         if self._term is None:
-            return
-        self._term = None
-        logger.warning("%s is no longer the leader: %s", self._identity, why)
-        if self._on_change is not None:
-            self._on_change(False)
+            self._begin_term(term, f"Lease {self._settings.lease_name}, transition {term}")
 
 
 def _now() -> datetime:

@@ -2,7 +2,8 @@
 Services (discovery.k8s.io/v1), listed, then watched from the listing's resourceVersion.
 
 Runs in the gateway process, on its asyncio loop. Owns `KubernetesMembership`, one implementation
-of `gateway.cluster.membership.Membership`, and `api_client`, which the Lease leader shares.
+of `gateway.cluster.membership.Membership` (its task and table are kept by its base,
+`gateway.cluster.backend_base.WatchingMembership`), and `api_client`, which the Lease leader shares.
 
 Client: lightkube (asyncio, httpx2 underneath, typed models of every resource, in-cluster and
 kubeconfig authentication), pointed at `api_server` when given (tests use a plain-http fake).
@@ -24,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 import httpx2
@@ -35,7 +35,8 @@ from lightkube.core.exceptions import ApiError
 from lightkube.core.exceptions import ConfigError as LightkubeConfigError
 from lightkube.resources.discovery_v1 import EndpointSlice
 
-from gateway.cluster.membership import MembershipChange, MemberTable, WorkerRecord, cancel_and_wait
+from gateway.cluster.backend_base import WatchingMembership
+from gateway.cluster.membership import WorkerRecord
 from gateway.cluster.settings import KubernetesSettings
 from gateway.config.registry import ConfigError
 
@@ -125,44 +126,21 @@ def slice_workers(endpoint_slice: EndpointSlice, settings: KubernetesSettings) -
     return workers
 
 
-class KubernetesMembership:
+class KubernetesMembership(WatchingMembership):
+    _task_name = "k8s-membership"
+
     def __init__(self, settings: KubernetesSettings, client: AsyncClient | None = None) -> None:
+        super().__init__()
         self._settings = settings
         # Only Services that name their model (None: the label exists), not e.g. a governing Service.
         self._selector: dict[str, Any] = {**settings.worker_selector, settings.model_label: None}
         self._client = client if client is not None else api_client(settings)
         self._owns_client = client is None
         self._slices: dict[str, dict[str, WorkerRecord]] = {}
-        self._table = MemberTable()
-        self._connected = False
-        self._synced = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
 
-    # -- Membership ---------------------------------------------------------------------------------
-
-    async def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.create_task(self._run(), name="k8s-membership")
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            await cancel_and_wait(self._task)
-            self._task = None
+    async def _close(self) -> None:
         if self._owns_client:
             await self._client.close()
-
-    async def synced(self) -> None:
-        await self._synced.wait()
-
-    @property
-    def connected(self) -> bool:
-        return self._connected
-
-    def members(self) -> Mapping[str, WorkerRecord]:
-        return self._table.members()
-
-    def changes(self) -> AsyncIterator[MembershipChange]:
-        return self._table.changes()
 
     # -- listing and watching -----------------------------------------------------------------------
 
