@@ -138,10 +138,20 @@ async def settle(turns: int = 20) -> None:
         await asyncio.sleep(0)
 
 
+_ports_handed_out: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """A loopback port free now and never handed out before in this process: the kernel may give
+    the same ephemeral port to two binds in a row once the first socket is closed (an etcd once got
+    one port for its client and its peer URLs, and failed to start)."""
+    while True:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = int(sock.getsockname()[1])
+        if port not in _ports_handed_out:
+            _ports_handed_out.add(port)
+            return port
 
 
 class GatewayProcess:
