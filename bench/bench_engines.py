@@ -40,6 +40,7 @@ from bench.access_log import add_gateway_ttft  # noqa: E402
 from bench.cpu_placement import SiblingWatch, placed, split_cores, topology  # noqa: E402
 from bench.gateway_processes import GatewayProcesses  # noqa: E402
 from bench.gpu_clocks import GpuClocks  # noqa: E402
+from bench.link_sink import SENDER_MODES, FrameSink  # noqa: E402
 from bench.neighbours import Neighbours, parse_loads  # noqa: E402
 from bench.proc_cpu import cpu_seconds, run_seconds, steal_seconds, thread_times, thread_usage  # noqa: E402
 from bench.profiling import Profiler  # noqa: E402
@@ -309,8 +310,10 @@ def run_overhead(args: argparse.Namespace, report: dict[str, Any]) -> None:
             report["settings"]["processes_admission_window_ms"] = args.processes_window_ms
         processes = GatewayProcesses(entry, sizes, args.out_dir / "gateway-processes", env=gateway_env())
         report["settings"]["gateway_processes"] = sizes
+    sink = FrameSink() if args.link_paths else contextlib.nullcontext(None)
     with (
         gateway(config, log) as gw,
+        sink as frames,
         processes as procs,
         Neighbours(args.neighbours) as neighbours,
         GpuClocks() as clocks,
@@ -319,6 +322,7 @@ def run_overhead(args: argparse.Namespace, report: dict[str, Any]) -> None:
         if procs is not None:
             pids["m-procs"] = procs.worker_pid
         gateway_pids = {processes_path(size): procs.pids(size) for size in sizes} if procs is not None else {}
+        senders = {mode: frames.sender(mode) for mode in SENDER_MODES} if frames is not None else {}
         report["worker_threads"] = {name: process_threads(pid) for name, pid in pids.items()}
         own, rest = split_cores()
         report["cpu"]["pinned"] = {"engine": sorted(own), "others": sorted(rest)}
@@ -349,12 +353,18 @@ def run_overhead(args: argparse.Namespace, report: dict[str, Any]) -> None:
                 ),
                 "gateway": (http(gw.url, "m"), pids.get("m")),
             }
+            for mode, send in senders.items():
+                run[f"engine, {mode}"] = (
+                    lambda ids=ids, send=send: engine_round(engine, ids(), args.new_tokens, None, send),
+                    None,
+                )
             # Every process of the run away from the engine's own core, idle workers included.
+            sink_pids = frames.pids() if frames is not None else []
             everyone_else = {
-                pid: rest for pid in (me, gw.pid, *pids.values(), *sum(gateway_pids.values(), []))
+                pid: rest for pid in (me, gw.pid, *pids.values(), *sum(gateway_pids.values(), []), *sink_pids)
             }
             if args.pin_all:  # every round so: a core's speed then moves both paths of a turn alike
-                for name in ("raw", "engine"):
+                for name in ("raw", "engine", *(f"engine, {mode}" for mode in senders)):
                     run[name] = (pinned(run[name][0], everyone_else, (me, me), own), None)
                 run["gateway"] = (pinned(run["gateway"][0], everyone_else, (worker, worker), own), worker)
             if args.pin:  # both engine threads on the same core of their own; every other thread elsewhere
@@ -407,6 +417,8 @@ def run_overhead(args: argparse.Namespace, report: dict[str, Any]) -> None:
                 one = processes_path(1)
                 if path in gateway_pids and path != one and one in rounds:  # the same worker, one process
                     row.update({f"one_process_{k}": v for k, v in paired(done, rounds[one]).items()})
+                if path.startswith("engine, ") and "engine" in rounds:  # a frame's cost to the steps
+                    row.update({f"engine_{k}": v for k, v in paired(done, rounds["engine"]).items()})
                 if path == ENV_PATH and "gateway" in rounds:  # the default worker against this one
                     row.update({f"default_{k}": v for k, v in paired(rounds["gateway"], done).items()})
                 worker_cpu = [r.worker_cpu_s for r in done if r.worker_cpu_s is not None]
@@ -693,6 +705,13 @@ def markdown(report: dict[str, Any]) -> str:
         if "neighbour_cpu_pct" in r:
             lines.append(f"| {r['path']}, {r['streams']} streams: the neighbours' CPU, % of one core | "
                          f"{r['neighbour_cpu_pct']} | - |")  # fmt: skip
+        if "engine_paired_ratio" in r:
+            within = _interval(r.get("engine_paired_ratio_ci95"), ".3f", "-")
+            sleeps = r.get("threads", {}).get("main_sleeps_per_s")
+            lines.append(f"| {r['streams']} streams: {r['path']} / engine, paired | tok/s "
+                         f"{r['engine_paired_ratio']:.3f} (turns {r['engine_paired_ratio_min']:.3f}-"
+                         f"{r['engine_paired_ratio_max']:.3f}{within}); engine thread sleeps per s "
+                         f"{sleeps} | - |")  # fmt: skip
         if "one_gpu_paired_ratio" in r:
             spread = f"turns {r['one_gpu_paired_ratio_min']:.3f}-{r['one_gpu_paired_ratio_max']:.3f}"
             lines.append(f"| {r['path']}, {r['streams']} streams: tok/s / one GPU's | "
@@ -812,6 +831,14 @@ def main(argv: list[str] | None = None) -> int:
         "busy for BUSY_US (path 'raw, neighbours'; e.g. 27:600,27:340, as the gateway and the client at "
         "one stream)",
     )
+    parser.add_argument(
+        "--link-paths",
+        action="store_true",
+        help="also our engine in-process with each step's Step frame sent to a sink process: by the "
+        "worker's link thread ('engine, link'), by it with the engine thread waiting for the send "
+        "('engine, link, wait'), and by the engine thread itself ('engine, direct'), each paired against "
+        "'engine' per round (bench/link_sink.py; needs 'engine' in --paths)",
+    )
     parser.add_argument("--peer", help="another OpenAI-compatible server's URL, driven by the same client")
     parser.add_argument("--peer-model", default="m", help="the model name to send to --peer")
     parser.add_argument("--trace", action="store_true", help="per-step traces of raw, engine and gateway")
@@ -824,6 +851,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--unpaged is exllamav2's paged: false")
     if args.split and args.engine != "exllamav3":
         parser.error("--split is exllamav3's layer split and tensor parallelism")
+    if args.link_paths and "engine" not in args.paths.split(","):
+        parser.error("--link-paths pairs its paths against 'engine': add it to --paths")
     if args.processes_window_ms and not args.gateway_processes:
         parser.error("--processes-window-ms sets the window of --gateway-processes' worker")
     args.streams = [int(s) for s in args.streams.split(",") if s]

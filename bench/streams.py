@@ -18,6 +18,7 @@ import json
 import math
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -131,9 +132,16 @@ def raw_round(
     return Round(streams, steps)
 
 
-def engine_round(engine: Any, prompts: list[list[int]], new_tokens: int, trace: Any = None) -> Round:
+def engine_round(
+    engine: Any,
+    prompts: list[list[int]],
+    new_tokens: int,
+    trace: Any = None,
+    send: Callable[[list[Any]], None] | None = None,
+) -> Round:
     """One round through our engine's submit/step in this process (the worker's engine, no serve
-    loop, socket or HTTP): with raw and gateway rounds it splits the gateway's overhead in two."""
+    loop or HTTP): with raw and gateway rounds it splits the gateway's overhead in two. `send`, if
+    given, takes each step's outputs after the step (bench/link_sink.py: a Step frame to a sink)."""
     from wire.params import SamplingParams
 
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
@@ -155,6 +163,9 @@ def engine_round(engine: Any, prompts: list[list[int]], new_tokens: int, trace: 
             streams[output.rid].token_times += [now] * len(output.token_ids)
         if trace is not None:
             trace.after_step([(o.rid, len(o.token_ids), o.finish_reason is not None) for o in outputs])
+        if send is not None and outputs:
+            send(outputs)
+        if trace is not None:
             trace.after_send()
     return Round(list(streams.values()), steps)
 

@@ -1,0 +1,117 @@
+"""Our engine in-process with each step's Step frame sent the worker's ways: what the link costs.
+
+Runs in the benchmark process (bench/bench_engines.py, `--link-paths`), beside a sink process of
+its own. Owns `FrameSink` (a process with a ROUTER socket that takes every frame and drops it,
+standing in for the gateway) and the senders that the in-process rounds call after each step:
+
+- `link`: the worker's own LinkThread encodes and sends the frame on its thread, as a worker does
+  by default; the engine thread only hands the message over;
+- `link, wait`: the same, and the engine thread then waits for the link thread to have sent it
+  (LinkThread.wait_taken, the worker's GATEWAY_HANDOFF_WAIT_MS);
+- `direct`: the engine thread encodes and sends the frame itself, on a socket of its own: what the
+  frame costs with no second thread taking the GIL (a worker never does this).
+
+Against the in-process rounds without any frame, in one run, they say what the hand-over between the
+two threads costs the engine's steps.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import tempfile
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+
+from model_worker.link_thread import LinkThread
+from wire import messages as wire
+
+HANDOFF_WAIT_S = 0.002  # as GATEWAY_HANDOFF_WAIT_MS=2 in a worker
+SENDER_MODES = ("link", "link, wait", "direct")
+END = b"end "  # the closer's frame: how many senders say goodbye
+
+
+def _drain(endpoint: str) -> None:
+    """Take frames until every sender has said goodbye (an empty frame, after its last one: each
+    connection keeps its order, connections do not), then answer the closer with the count."""
+    context = zmq.Context()
+    sock = context.socket(zmq.ROUTER)
+    sock.bind(endpoint)
+    taken = goodbyes = 0
+    senders: int | None = None
+    closer = b""
+    while senders is None or goodbyes < senders:
+        identity, frame = sock.recv_multipart()
+        if frame == b"":
+            goodbyes += 1
+        elif frame.startswith(END):
+            senders, closer = int(frame[len(END) :]), identity
+        else:
+            taken += 1
+    sock.send_multipart([closer, str(taken).encode()])
+    sock.close(linger=1000)
+
+
+class FrameSink:
+    """A process that takes and drops every frame sent to `endpoint`, and the senders to it."""
+
+    def __init__(self) -> None:
+        self._dir = tempfile.TemporaryDirectory(prefix="frame-sink-")
+        self.endpoint = f"ipc://{self._dir.name}/sink"
+        self._process = multiprocessing.get_context("spawn").Process(
+            target=_drain, args=(self.endpoint,), daemon=True
+        )
+        self._context = zmq.Context()
+        self._links: list[LinkThread] = []
+        self._sockets: list[zmq.Socket] = []
+        self.frames_taken: int | None = None  # how many frames the sink took, once it has ended
+
+    def __enter__(self) -> FrameSink:
+        self._process.start()
+        return self
+
+    def _socket(self, identity: str) -> zmq.Socket:
+        sock = self._context.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, identity.encode())
+        sock.setsockopt(zmq.SNDHWM, 10_000)
+        sock.connect(self.endpoint)
+        self._sockets.append(sock)
+        return sock
+
+    def sender(self, mode: str) -> Callable[[list[Any]], None]:
+        """A callable for a step's outputs (wire JobOutputs) that sends them in one Step frame."""
+        sock = self._socket(f"{mode}-{len(self._sockets)}")
+        if mode == "direct":
+            return lambda outputs: sock.send(wire.encode(wire.Step(outputs)))
+        link = LinkThread(sock, patience_s=60.0, forward=frozenset())
+        link.start()
+        self._links.append(link)
+        if mode == "link":
+            return lambda outputs: link.send(wire.Step(outputs))
+
+        def send_and_wait(outputs: list[Any]) -> None:
+            link.send(wire.Step(outputs))
+            link.wait_taken(HANDOFF_WAIT_S)
+
+        return send_and_wait
+
+    def pids(self) -> list[int]:
+        return [self._process.pid] if self._process.pid is not None else []
+
+    def __exit__(self, *exc: object) -> None:
+        for link in self._links:
+            link.close(flush_s=2.0)  # its socket is this thread's again
+        for sock in self._sockets:
+            sock.send(b"")
+        closer = self._socket("closer")
+        closer.send(END + str(len(self._sockets) - 1).encode())
+        if closer.poll(10_000):
+            self.frames_taken = int(closer.recv())
+        for sock in self._sockets:
+            sock.close(linger=1000)
+        self._context.term()
+        self._process.join(5.0)
+        if self._process.is_alive():
+            self._process.kill()
+        self._dir.cleanup()
