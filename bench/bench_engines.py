@@ -835,9 +835,8 @@ def main(argv: list[str] | None = None) -> int:
         "--link-paths",
         action="store_true",
         help="also our engine in-process with each step's Step frame sent to a sink process: by the "
-        "worker's link thread ('engine, link'), by it with the engine thread waiting for the send "
-        "('engine, link, wait'), and by the engine thread itself ('engine, direct'), each paired against "
-        "'engine' per round (bench/link_sink.py; needs 'engine' in --paths)",
+        "worker's link thread ('engine, link') and by the engine thread itself ('engine, direct'), each "
+        "paired against 'engine' per round (bench/link_sink.py; needs 'engine' in --paths)",
     )
     parser.add_argument("--peer", help="another OpenAI-compatible server's URL, driven by the same client")
     parser.add_argument("--peer-model", default="m", help="the model name to send to --peer")

@@ -6,8 +6,6 @@ standing in for the gateway) and the senders that the in-process rounds call aft
 
 - `link`: the worker's own LinkThread encodes and sends the frame on its thread, as a worker does
   by default; the engine thread only hands the message over;
-- `link, wait`: the same, and the engine thread then waits for the link thread to have sent it
-  (LinkThread.wait_taken, the worker's GATEWAY_HANDOFF_WAIT_MS);
 - `direct`: the engine thread encodes and sends the frame itself, on a socket of its own: what the
   frame costs with no second thread taking the GIL (a worker never does this).
 
@@ -27,8 +25,7 @@ import zmq
 from model_worker.link_thread import LinkThread
 from wire import messages as wire
 
-HANDOFF_WAIT_S = 0.002  # as GATEWAY_HANDOFF_WAIT_MS=2 in a worker
-SENDER_MODES = ("link", "link, wait", "direct")
+SENDER_MODES = ("link", "direct")
 END = b"end "  # the closer's frame: how many senders say goodbye
 
 
@@ -87,14 +84,7 @@ class FrameSink:
         link = LinkThread(sock, patience_s=60.0, forward=frozenset())
         link.start()
         self._links.append(link)
-        if mode == "link":
-            return lambda outputs: link.send(wire.Step(outputs))
-
-        def send_and_wait(outputs: list[Any]) -> None:
-            link.send(wire.Step(outputs))
-            link.wait_taken(HANDOFF_WAIT_S)
-
-        return send_and_wait
+        return lambda outputs: link.send(wire.Step(outputs))
 
     def pids(self) -> list[int]:
         return [self._process.pid] if self._process.pid is not None else []

@@ -84,14 +84,6 @@ class LinkThread:
         # When each message in _outbound was handed over, in order; and, with a step trace on
         # (trace_handoffs), where this thread puts how long each waited before it took it (seconds).
         self._handed_over_at: collections.deque[float] = collections.deque()
-        # Messages handed over (the engine thread counts), taken from _outbound (this thread
-        # counts), and of those encoded and handed on to ZeroMQ or the outbox (this thread sets it
-        # after each flush): wait_taken() waits for the last to reach the first.
-        self._handed = 0
-        self._taken = 0
-        self._flushed = 0
-        self._engine_waits = False
-        self._taken_event = threading.Event()
         self._handoff_waits: collections.deque[float] | None = None
         # Encoded frames ZeroMQ has not taken yet, in order for each gateway.
         self._outbox = Outbox(sock, patience_s)
@@ -148,29 +140,7 @@ class LinkThread:
             except BaseException:
                 self._handed_over_at.pop()  # never queued
                 raise
-        self._handed += 1
         self._ring()
-
-    def wait_taken(self, timeout_s: float) -> bool:
-        """Wait, with the GIL let go, until this thread has encoded every message handed over so far
-        and handed it to ZeroMQ (or to its outbox, when ZeroMQ's queue is full), at most timeout_s;
-        True if it did. The engine thread calls it after each step's frame: this thread then runs
-        while the engine waits, instead of taking the GIL from it in the middle of its next step,
-        where every hand-over of the GIL makes the engine thread sleep and wake again."""
-        target = self._handed
-        deadline = time.monotonic() + timeout_s
-        self._engine_waits = True
-        try:
-            while self._flushed < target:
-                self._taken_event.clear()
-                if self._flushed >= target:
-                    break
-                left = deadline - time.monotonic()
-                if left <= 0 or not self._taken_event.wait(left):
-                    return self._flushed >= target
-            return True
-        finally:
-            self._engine_waits = False
 
     def send_last(self, message: wire.Message) -> None:
         """A message sent on the way out (Fatal, goodbye): best effort, since the process's exit is
@@ -301,9 +271,6 @@ class LinkThread:
             if self._peers is not None:
                 self._cancel(self._peers.expire(time.monotonic()))
             self._flush()
-            self._flushed = self._taken
-            if self._engine_waits:
-                self._taken_event.set()
             if self._stopping and not self._outbox and not self._replies and self._outbound.empty():
                 return
 
@@ -413,7 +380,6 @@ class LinkThread:
             message = self._outbound.get_nowait()
         except queue.Empty:
             return None
-        self._taken += 1
         # Never fatal: a diagnostic must not end the link if its count were ever off.
         handed_over = self._handed_over_at.popleft() if self._handed_over_at else None
         if handed_over is not None and (waits := self._handoff_waits) is not None:

@@ -57,10 +57,6 @@ SEND_PATIENCE_S = 60.0
 # Gateways that share a listening worker admit by the load it reports (gateway.serving.router): a
 # change in the jobs it holds is reported at once, at most this often, not a heartbeat later.
 LOAD_REPORT_GAP_S = 0.01
-# After each step's frame the engine thread waits, with the GIL let go, for the link thread to
-# encode and send it, at most this long (model_worker.link_thread.LinkThread.wait_taken); 0: no wait.
-HANDOFF_WAIT_VARIABLE = "GATEWAY_HANDOFF_WAIT_MS"
-HANDOFF_WAIT_MS = 0.0
 
 
 class Worker:
@@ -298,7 +294,6 @@ class Worker:
         interval_s = self.spec.heartbeat_interval_s
         link, handlers = self.link, self._handlers
         window_s, gather_s = self.spec.admission_window_s, self.spec.burst_gather_s
-        handoff_wait_s = float(os.environ.get(HANDOFF_WAIT_VARIABLE, HANDOFF_WAIT_MS)) / 1000
         while True:
             # Never wait for messages while jobs are active; wait only when idle (and only briefly
             # while a job waits for its constraint to compile in the compiler process, or a change
@@ -332,8 +327,6 @@ class Worker:
                 if outputs:
                     self._send(wire.Step(jobs.outputs(outputs)))
                     jobs.start_waiting()  # queued jobs the finished ones made room for
-                    if handoff_wait_s:
-                        link.wait_taken(handoff_wait_s)
                 if trace is not None:
                     trace.after_send()
             now = time.monotonic()

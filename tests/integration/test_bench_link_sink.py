@@ -1,5 +1,5 @@
-"""bench/link_sink.py: our engine's in-process rounds with each step's Step frame sent the worker's
-ways (its link thread, the link thread with the engine thread waiting, the engine thread itself).
+"""bench/link_sink.py: our engine's in-process rounds with each step's Step frame sent two
+ways (by the worker's link thread, and by the engine thread itself).
 
 Runs in the pytest process with the CPU demo engine and a real sink process over ipc; checks that
 every step's frame reaches the sink on every path, and that the rounds' tokens are all there.

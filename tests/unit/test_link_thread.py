@@ -189,32 +189,3 @@ def test_a_listening_worker_keeps_serving_one_gateway_while_another_stops_readin
             gateway.close(0)
         worker.close(0)
         ctx.term()
-
-
-def test_wait_taken_returns_once_the_frame_is_with_zeromq(sockets: tuple[zmq.Socket, zmq.Socket]) -> None:
-    dealer, router = sockets
-    link = LinkThread(dealer, patience_s=30.0, forward=FORWARD)
-    link.start()
-    for i in range(3):
-        link.send(wire.Tokens(f"r{i}", [i], "x"))
-        assert link.wait_taken(timeout_s=10.0)  # handed to ZeroMQ: the gateway can read it now
-        assert router.poll(10_000), f"frame {i} never reached the gateway"
-        assert wire.decode(router.recv_multipart()[1]).rid == f"r{i}"
-    assert link.close(flush_s=5.0)
-
-
-def test_wait_taken_gives_up_at_its_timeout_while_the_gateway_takes_nothing(
-    sockets: tuple[zmq.Socket, zmq.Socket],
-) -> None:
-    dealer, router = sockets
-    link = LinkThread(dealer, patience_s=30.0, forward=FORWARD)
-    link.start()
-    for i in range(40):  # past the socket's buffers: the outbox stalls, nothing newer is encoded
-        link.send(big(i))
-    wait_until(lambda: link.waits >= 1, "a frame to find the queue to the gateway full")
-    link.send(big(40))
-    assert not link.wait_taken(timeout_s=0.05)  # bounded: the engine goes on, the frame stays queued
-    received = [wire.decode(router.recv_multipart()[1]) for _ in range(41)]
-    assert [m.rid for m in received] == [f"r{i}" for i in range(41)]  # nothing lost meanwhile
-    assert link.wait_taken(timeout_s=10.0)
-    assert link.close(flush_s=5.0)
