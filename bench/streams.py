@@ -306,6 +306,10 @@ def summarize(rounds: list[Round]) -> dict[str, Any]:
         "stall_ms_per_stream": 1000 * sum(g for g in gaps if g > 2 * median_gap) / max(len(streams), 1),
         "step_ms_p50": 1000 * percentile(steps, 0.5) if steps else None,
         "step_ms_p99": 1000 * percentile(steps, 0.99) if steps else None,
+        # Each in-process round's median step: steps of paths that ran in one turn can be paired.
+        "step_ms_p50_rounds": [
+            round(1000 * percentile(r.step_seconds, 0.5), 3) for r in rounds if r.step_seconds
+        ],
         "tokens": tokens,
         # Each round's rate, and the host's steal time in it: a slow round on a virtual machine
         # may be the hypervisor's doing, not the path's.
