@@ -261,7 +261,7 @@ def run_overhead(args: argparse.Namespace, report: dict[str, Any]) -> None:
     report["info"] = {k: v for k, v in as_dict(engine.info()).items() if k != "devices"}
     traces = {
         name: StepTrace(str(args.out_dir / f"trace-{args.engine}-{name}.jsonl")) if args.trace else None
-        for name in ("raw", "engine")
+        for name in ("raw", "engine", *(f"engine-{mode}" for mode in SENDER_MODES if args.link_paths))
     }
     worker_env = (
         {TRACE_VARIABLE: str(args.out_dir / f"trace-{args.engine}-gateway.jsonl")} if args.trace else {}
@@ -355,7 +355,9 @@ def run_overhead(args: argparse.Namespace, report: dict[str, Any]) -> None:
             }
             for mode, send in senders.items():
                 run[f"engine, {mode}"] = (
-                    lambda ids=ids, send=send: engine_round(engine, ids(), args.new_tokens, None, send),
+                    lambda ids=ids, send=send, mode=mode: engine_round(
+                        engine, ids(), args.new_tokens, traces[f"engine-{mode}"], send
+                    ),
                     None,
                 )
             # Every process of the run away from the engine's own core, idle workers included.

@@ -17,6 +17,9 @@ Each line is one iteration that stepped the engine:
   link_frames how many frames (steps' and heartbeats') the link thread took since the previous line;
               the last line also counts those it took after that line was due (a link thread that
               lagged behind the last steps), so every frame taken while the trace was on is counted
+  sleeps      times this thread went to sleep during the step (voluntary context switches: a
+              wait for the GIL, a lock, the GPU or I/O; Linux only)
+  sleeps_outside  the same between the previous step's end and this step's start
   jobs        jobs that produced output in this step
   tokens      tokens emitted in this step
   first       jobs whose first token came in this step (their prefill finished)
@@ -44,6 +47,7 @@ from __future__ import annotations
 import collections
 import json
 import os
+import resource
 import time
 from collections.abc import Callable, Sequence
 from typing import IO, Any
@@ -79,6 +83,7 @@ class StepTrace:
         self._gather: tuple[float, str] | None = None
         self._allocator_counter: Callable[[], tuple[int, int]] | None = None
         self._allocations = (0, 0)
+        self._sleeps_at_start = self._sleeps_at_end = _thread_sleeps()
         if self._torch is not None:
             self.count_allocations(_cuda_allocator_counts)
 
@@ -109,6 +114,7 @@ class StepTrace:
             self._prefilled_before = self._prefill_counter()
         if self._cached_counter is not None:
             self._cached_before = self._cached_counter()
+        self._sleeps_at_start = _thread_sleeps()
         self._step_start = time.perf_counter()
         if self._torch is not None:
             start, end = (self._torch.cuda.Event(enable_timing=True) for _ in range(2))
@@ -118,6 +124,7 @@ class StepTrace:
     def after_step(self, outputs: Sequence[tuple[Any, int, bool]]) -> None:
         """`outputs`: (job id, tokens emitted, finished) for each job with output in this step."""
         self._step_end = time.perf_counter()
+        sleeps = _thread_sleeps()
         first_tokens = 0
         for job, tokens, finished in outputs:
             if tokens and job not in self._started_jobs:
@@ -131,6 +138,8 @@ class StepTrace:
             "outside_ms": None
             if self._last_end is None
             else round((self._step_start - self._last_end) * 1000, 3),
+            "sleeps": sleeps - self._sleeps_at_start,
+            "sleeps_outside": None if self._last_end is None else self._sleeps_at_start - self._sleeps_at_end,
             "jobs": len(outputs),
             "tokens": sum(tokens for _, tokens, _ in outputs),
             "first": first_tokens,
@@ -154,6 +163,7 @@ class StepTrace:
             self._allocations = counts
         self._pending = line
         self._last_end = self._step_end
+        self._sleeps_at_end = sleeps
 
     def after_send(self) -> None:
         """The step's frame is out (or there was none): write its line."""
@@ -183,6 +193,15 @@ class StepTrace:
             self._add_link_waits(self._written)
         self._write_held()
         self._file.close()
+
+
+def _thread_sleeps() -> int:
+    """How often the calling thread has gone to sleep so far (voluntary context switches); 0 where
+    the system does not count them per thread."""
+    try:
+        return resource.getrusage(resource.RUSAGE_THREAD).ru_nvcsw
+    except (AttributeError, OSError):
+        return 0
 
 
 def _cuda_allocator_counts() -> tuple[int, int]:
@@ -216,9 +235,16 @@ def summarize(path: str) -> dict[str, Any]:
             "send_ms_p50": median([r.get("send_ms") for r in rows]),
             "link_ms_p50": median([r.get("link_ms") for r in rows]),
             "tokens_per_step": round(sum(r["tokens"] for r in rows) / len(rows), 2),
+            # Means, not medians: most steps sleep 0 or 1 times, and the figure is what they add up to.
+            "sleeps_per_step": mean([r.get("sleeps") for r in rows]),
+            "sleeps_outside_per_step": mean([r.get("sleeps_outside") for r in rows]),
             "alloc_retries": sum(r.get("alloc_retries", 0) for r in rows),
             "device_allocs": sum(r.get("device_allocs", 0) for r in rows),
         }
+
+    def mean(values: list[Any]) -> float | None:
+        known = [float(v) for v in values if v is not None]
+        return round(sum(known) / len(known), 3) if known else None
 
     by_jobs: dict[int, list[dict[str, Any]]] = {}
     for row in lines:

@@ -47,6 +47,8 @@ def test_every_step_of_a_stream_is_traced_with_the_link_threads_wait(
     assert all(step["cached"] == 0 for step in steps)  # the CPU engine keeps no prefix cache
     assert all(step["jobs"] == 1 and step["step_ms"] > 0 for step in steps)
     assert all(step["outside_ms"] is None or step["outside_ms"] >= 0 for step in steps)
+    assert all(step["sleeps"] >= 0 for step in steps)
+    assert [step["sleeps_outside"] is None for step in steps] == [True] + [False] * (len(steps) - 1)
     # A step's frame is taken after its line is written, so its wait shows on a later line (one
     # line may show several frames): every Step frame but the last one's, and any heartbeats.
     assert sum(step.get("link_frames", 0) for step in steps) >= len(steps) - 1

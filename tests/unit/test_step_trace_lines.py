@@ -5,6 +5,7 @@ process; no worker, no GPU."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -89,3 +90,23 @@ def test_the_allocator_counts_come_from_torchs_own_statistics(monkeypatch: pytes
     assert _cuda_allocator_counts() == (2, 8)
     monkeypatch.setattr(torch.cuda, "memory_stats_as_nested_dict", dict)  # CUDA not initialized yet
     assert _cuda_allocator_counts() == (0, 0)
+
+
+def test_each_line_counts_the_times_its_thread_slept_in_the_step_and_between_steps(tmp_path: Path) -> None:
+    path = tmp_path / "trace.jsonl"
+    trace = StepTrace(str(path))
+    for naps_in_step, naps_between in ((0, 0), (3, 0), (0, 2)):
+        for _ in range(naps_between):  # the loop waits for something between steps
+            time.sleep(0.002)  # the thread blocks: one voluntary switch
+        trace.before_step()
+        for _ in range(naps_in_step):  # the step waits (for the GPU, the GIL, a lock)
+            time.sleep(0.002)  # the thread blocks: one voluntary switch
+        trace.after_step([("a", 1, False)])
+        trace.after_send()
+    trace.close()
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    # At least: the kernel may put the thread to sleep for reasons of its own too.
+    assert lines[1]["sleeps"] >= 3 and lines[2]["sleeps_outside"] >= 2
+    assert lines[0]["sleeps_outside"] is None  # nothing came before the first step
+    summary = summarize(str(path))["all"]
+    assert summary["sleeps_per_step"] >= 1.0 and summary["sleeps_outside_per_step"] >= 1.0
