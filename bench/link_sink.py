@@ -1,11 +1,11 @@
-"""Our engine in-process with each step's Step frame sent the worker's ways: what the link costs.
+"""Our engine in-process with each step's Step frame sent two ways: what the worker's link costs.
 
 Runs in the benchmark process (bench/bench_engines.py, `--link-paths`), beside a sink process of
 its own. Owns `FrameSink` (a process with a ROUTER socket that takes every frame and drops it,
 standing in for the gateway) and the senders that the in-process rounds call after each step:
 
-- `link`: the worker's own LinkThread encodes and sends the frame on its thread, as a worker does
-  by default; the engine thread only hands the message over;
+- `link`: the worker's own LinkThread encodes and sends the frame on its thread, as a worker does;
+  the engine thread only hands the message over;
 - `direct`: the engine thread encodes and sends the frame itself, on a socket of its own: what the
   frame costs with no second thread taking the GIL (a worker never does this).
 
