@@ -40,7 +40,8 @@ from bench.access_log import add_gateway_ttft  # noqa: E402
 from bench.cpu_placement import SiblingWatch, placed, split_cores, topology  # noqa: E402
 from bench.gateway_processes import GatewayProcesses  # noqa: E402
 from bench.gpu_clocks import GpuClocks  # noqa: E402
-from bench.link_sink import SENDER_MODES, FrameSink  # noqa: E402
+from bench.link_sink import MODES as LINK_MODES  # noqa: E402
+from bench.link_sink import FrameSink  # noqa: E402
 from bench.neighbours import Neighbours, parse_loads  # noqa: E402
 from bench.proc_cpu import cpu_seconds, run_seconds, steal_seconds, thread_times, thread_usage  # noqa: E402
 from bench.profiling import Profiler  # noqa: E402
@@ -261,7 +262,7 @@ def run_overhead(args: argparse.Namespace, report: dict[str, Any]) -> None:
     report["info"] = {k: v for k, v in as_dict(engine.info()).items() if k != "devices"}
     traces = {
         name: StepTrace(str(args.out_dir / f"trace-{args.engine}-{name}.jsonl")) if args.trace else None
-        for name in ("raw", "engine", *(f"engine-{mode}" for mode in SENDER_MODES if args.link_paths))
+        for name in ("raw", "engine", *(f"engine-{mode}" for mode in args.link_modes))
     }
     worker_env = (
         {TRACE_VARIABLE: str(args.out_dir / f"trace-{args.engine}-gateway.jsonl")} if args.trace else {}
@@ -322,7 +323,7 @@ def run_overhead(args: argparse.Namespace, report: dict[str, Any]) -> None:
         if procs is not None:
             pids["m-procs"] = procs.worker_pid
         gateway_pids = {processes_path(size): procs.pids(size) for size in sizes} if procs is not None else {}
-        senders = {mode: frames.sender(mode) for mode in SENDER_MODES} if frames is not None else {}
+        senders = {mode: frames.sender(mode) for mode in args.link_modes} if frames is not None else {}
         report["worker_threads"] = {name: process_threads(pid) for name, pid in pids.items()}
         own, rest = split_cores()
         report["cpu"]["pinned"] = {"engine": sorted(own), "others": sorted(rest)}
@@ -840,6 +841,12 @@ def main(argv: list[str] | None = None) -> int:
         "worker's link thread ('engine, link') and by the engine thread itself ('engine, direct'), each "
         "paired against 'engine' per round (bench/link_sink.py; needs 'engine' in --paths)",
     )
+    parser.add_argument(
+        "--link-modes",
+        default="link,direct",
+        help=f"with --link-paths, which senders ({', '.join(LINK_MODES)}); 'take' and 'take-send' are the "
+        "floors of any second thread that takes, or takes and sends, each frame",
+    )
     parser.add_argument("--peer", help="another OpenAI-compatible server's URL, driven by the same client")
     parser.add_argument("--peer-model", default="m", help="the model name to send to --peer")
     parser.add_argument("--trace", action="store_true", help="per-step traces of raw, engine and gateway")
@@ -854,6 +861,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--split is exllamav3's layer split and tensor parallelism")
     if args.link_paths and "engine" not in args.paths.split(","):
         parser.error("--link-paths pairs its paths against 'engine': add it to --paths")
+    if unknown := set(args.link_modes.split(",")) - set(LINK_MODES):
+        parser.error(f"--link-modes: no such sender {', '.join(sorted(unknown))}")
+    args.link_modes = args.link_modes.split(",") if args.link_paths else []
     if args.processes_window_ms and not args.gateway_processes:
         parser.error("--processes-window-ms sets the window of --gateway-processes' worker")
     args.streams = [int(s) for s in args.streams.split(",") if s]

@@ -7,7 +7,12 @@ standing in for the gateway) and the senders that the in-process rounds call aft
 - `link`: the worker's own LinkThread encodes and sends the frame on its thread, as a worker does;
   the engine thread only hands the message over;
 - `direct`: the engine thread encodes and sends the frame itself, on a socket of its own: what the
-  frame costs with no second thread taking the GIL (a worker never does this).
+  frame costs with no second thread taking the GIL (a worker never does this);
+- `take` and `take-send`: floors for any second thread. A bare thread blocks on a queue for each
+  message and drops it (`take`: one wake-up and one GIL hand-over a frame, the least a thread that
+  takes frames can cost), or encodes and sends it with pyzmq as well (`take-send`: the least a
+  thread that sends them can cost). Against `link` they say what the worker's link thread adds on
+  top of what any sending thread costs.
 
 Against the in-process rounds without any frame, in one run, they say what the hand-over between the
 two threads costs the engine's steps.
@@ -16,7 +21,9 @@ two threads costs the engine's steps.
 from __future__ import annotations
 
 import multiprocessing
+import queue
 import tempfile
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -26,6 +33,8 @@ from model_worker.link_thread import LinkThread
 from wire import messages as wire
 
 SENDER_MODES = ("link", "direct")
+FLOOR_MODES = ("take", "take-send")
+MODES = (*SENDER_MODES, *FLOOR_MODES)
 END = b"end "  # the closer's frame: how many senders say goodbye
 
 
@@ -61,6 +70,7 @@ class FrameSink:
         )
         self._context = zmq.Context()
         self._links: list[LinkThread] = []
+        self._floors: list[tuple[queue.SimpleQueue[Any], threading.Thread]] = []
         self._sockets: list[zmq.Socket] = []
         self.frames_taken: int | None = None  # how many frames the sink took, once it has ended
 
@@ -81,10 +91,25 @@ class FrameSink:
         sock = self._socket(f"{mode}-{len(self._sockets)}")
         if mode == "direct":
             return lambda outputs: sock.send(wire.encode(wire.Step(outputs)))
+        if mode in FLOOR_MODES:
+            return self._floor_sender(sock, send=mode == "take-send")
         link = LinkThread(sock, patience_s=60.0, forward=frozenset())
         link.start()
         self._links.append(link)
         return lambda outputs: link.send(wire.Step(outputs))
+
+    def _floor_sender(self, sock: zmq.Socket, send: bool) -> Callable[[list[Any]], None]:
+        handed: queue.SimpleQueue[Any] = queue.SimpleQueue()
+
+        def take() -> None:  # the socket is this thread's until it ends
+            while (message := handed.get()) is not None:
+                if send:
+                    sock.send(wire.encode(message))
+
+        thread = threading.Thread(target=take, name="bench-floor", daemon=True)
+        thread.start()
+        self._floors.append((handed, thread))
+        return lambda outputs: handed.put(wire.Step(outputs))
 
     def pids(self) -> list[int]:
         return [self._process.pid] if self._process.pid is not None else []
@@ -92,6 +117,9 @@ class FrameSink:
     def __exit__(self, *exc: object) -> None:
         for link in self._links:
             link.close(flush_s=2.0)  # its socket is this thread's again
+        for handed, thread in self._floors:
+            handed.put(None)
+            thread.join(5.0)
         for sock in self._sockets:
             sock.send(b"")
         closer = self._socket("closer")
