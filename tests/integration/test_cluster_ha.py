@@ -159,10 +159,12 @@ def test_a_worker_host_cut_off(cluster: HaCluster) -> None:
     victim = cluster.workers[0]
     gateways = list(cluster.gateways.values())
     let_go = {name: len(cluster.gone_lines(victim, name)) for name in GATEWAYS}
-    # More clients than the two workers' slots: until the gateways see the victim lost (a heartbeat
-    # timeout), some of its slots hold jobs it had not started (Accepted never came back), however
-    # the load was spread when the cable was pulled.
-    load = steady_load(cluster, "worker host cut off", 2 * (MAX_JOBS + WORKER_QUEUE) + 2)
+    # More clients than one worker's slots, fewer than both's: the victim soon holds a job it has
+    # not started (Accepted never came back), and when the gateways see it lost (a heartbeat
+    # timeout) and move that job, the other replica has a slot left for it, since the clients
+    # whose jobs were on the victim are still waiting. With more clients than both workers' slots
+    # the other replica could be full at that moment, and then every moved job ended worker_full.
+    load = steady_load(cluster, "worker host cut off", MAX_JOBS + WORKER_QUEUE + 2)
     heartbeats: dict[str, int] = {}
 
     def just_reported_a_waiting_job() -> bool:
