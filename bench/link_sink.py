@@ -1,4 +1,4 @@
-"""Our engine in-process with each step's Step frame sent two ways: what the worker's link costs.
+"""Our engine in-process with each step's Step frame sent several ways: what the worker's link costs.
 
 Runs in the benchmark process (bench/bench_engines.py, `--link-paths`), beside a sink process of
 its own. Owns `FrameSink` (a process with a ROUTER socket that takes every frame and drops it,

@@ -30,7 +30,7 @@ def test_each_mode_is_paired_by_round_and_no_frame_is_lost(tmp_path: Path) -> No
             "2",
             "--out-dir",
             str(tmp_path),
-        ],  # fmt: skip
+        ],
         capture_output=True,
         text=True,
         timeout=300,
