@@ -37,7 +37,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
 from bench.access_log import add_gateway_ttft  # noqa: E402
-from bench.cpu_placement import SiblingWatch, placed, split_cores, topology  # noqa: E402
+from bench.cpu_placement import SiblingWatch, named_threads, placed, split_cores, topology  # noqa: E402
 from bench.gateway_processes import GatewayProcesses  # noqa: E402
 from bench.gpu_clocks import GpuClocks  # noqa: E402
 from bench.link_sink import MODES as LINK_MODES  # noqa: E402
@@ -95,6 +95,7 @@ def settings(args: argparse.Namespace) -> dict[str, Any]:
 ENV_PATH = "gateway, env"
 WINDOW_PATH = "gateway, admission window"
 THREADS_PATH = "gateway, torch threads"
+LINK_BESIDE_PATH = "gateway, link beside"  # the default worker, its link thread on the engine's core
 
 
 def processes_path(count: int) -> str:
@@ -207,12 +208,18 @@ def thread_summary(done: list[Round]) -> dict[str, Any]:
     return {"threads": summary}
 
 
-def pinned(run: Any, placement: dict[int, set[int]], engine_thread: tuple[int, int], own: set[int]) -> Any:
+def pinned(
+    run: Any,
+    placement: dict[int, set[int]],
+    engine_thread: tuple[int, int],
+    own: set[int],
+    beside: Callable[[], list[tuple[int, int]]] = list,
+) -> Any:
     """The round with each process's threads held to its CPUs, and the engine thread alone on
-    its own (bench/cpu_placement.py)."""
+    its own (bench/cpu_placement.py), or with the threads `beside` names (a link thread)."""
 
     def round_() -> Round:
-        with placed(placement, {engine_thread: own}):
+        with placed(placement, {engine_thread: own, **{thread: own for thread in beside()}}):
             return run()
 
     return round_
@@ -329,6 +336,9 @@ def run_overhead(args: argparse.Namespace, report: dict[str, Any]) -> None:
         report["cpu"]["pinned"] = {"engine": sorted(own), "others": sorted(rest)}
         me, worker = os.getpid(), pids["m"]
 
+        def in_process_beside() -> list[tuple[int, int]]:
+            return [(me, tid) for tid in frames.beside_threads()] if frames is not None else []
+
         def raw(ids: list[list[int]], threads: int) -> Round:
             torch.set_num_threads(threads)
             try:
@@ -368,7 +378,14 @@ def run_overhead(args: argparse.Namespace, report: dict[str, Any]) -> None:
             }
             if args.pin_all:  # every round so: a core's speed then moves both paths of a turn alike
                 for name in ("raw", "engine", *(f"engine, {mode}" for mode in senders)):
-                    run[name] = (pinned(run[name][0], everyone_else, (me, me), own), None)
+                    beside = in_process_beside if name == "engine, link-beside" else list
+                    run[name] = (pinned(run[name][0], everyone_else, (me, me), own, beside), None)
+                if args.link_beside:  # the same worker, its link thread on the engine thread's core
+                    run[LINK_BESIDE_PATH] = (
+                        pinned(run["gateway"][0], everyone_else, (worker, worker), own,
+                               lambda: [(worker, tid) for tid in named_threads(worker, "worker-link")]),
+                        worker,
+                    )  # fmt: skip
                 run["gateway"] = (pinned(run["gateway"][0], everyone_else, (worker, worker), own), worker)
             if args.pin:  # both engine threads on the same core of their own; every other thread elsewhere
                 run["raw, pinned"] = (pinned(run["raw"][0], everyone_else, (me, me), own), None)
@@ -422,6 +439,8 @@ def run_overhead(args: argparse.Namespace, report: dict[str, Any]) -> None:
                     row.update({f"one_process_{k}": v for k, v in paired(done, rounds[one]).items()})
                 if path.startswith("engine, ") and "engine" in rounds:  # a frame's cost to the steps
                     row.update({f"engine_{k}": v for k, v in paired(done, rounds["engine"]).items()})
+                if path == LINK_BESIDE_PATH and "gateway" in rounds:  # the same worker, placed otherwise
+                    row.update({f"beside_{k}": v for k, v in paired(done, rounds["gateway"]).items()})
                 if path == ENV_PATH and "gateway" in rounds:  # the default worker against this one
                     row.update({f"default_{k}": v for k, v in paired(rounds["gateway"], done).items()})
                 worker_cpu = [r.worker_cpu_s for r in done if r.worker_cpu_s is not None]
@@ -699,6 +718,12 @@ def markdown(report: dict[str, Any]) -> str:
             lines.append(f"| {r['streams']} streams: {r['path']} {window_ms} ms / "
                          f"gateway, paired | tok/s {r['window_paired_ratio']:.3f}; TTFT "
                          f"{r['window_paired_ttft_added_ms']:+.1f} ms{within} | - |")  # fmt: skip
+        if "beside_paired_ratio" in r:
+            spread = f"turns {r['beside_paired_ratio_min']:.3f}-{r['beside_paired_ratio_max']:.3f}"
+            within = _interval(r.get("beside_paired_ratio_ci95"), ".3f", "-")
+            lines.append(f"| {r['streams']} streams: {r['path']} / gateway, paired | tok/s "
+                         f"{r['beside_paired_ratio']:.3f} ({spread}{within}); TTFT "
+                         f"{r['beside_paired_ttft_added_ms']:+.1f} ms | - |")  # fmt: skip
         if "neighbours_paired_ratio" in r:
             spread = f"turns {r['neighbours_paired_ratio_min']:.3f}-{r['neighbours_paired_ratio_max']:.3f}"
             within = _interval(r.get("neighbours_paired_ratio_ci95"), ".3f", "-")
@@ -847,6 +872,12 @@ def main(argv: list[str] | None = None) -> int:
         help=f"with --link-paths, which senders ({', '.join(LINK_MODES)}); 'take' and 'take-send' are the "
         "floors of any second thread that takes, or takes and sends, each frame",
     )
+    parser.add_argument(
+        "--link-beside",
+        action="store_true",
+        help=f"with --pin-all, also the default worker's rounds with its link thread on the engine thread's "
+        f"core (path '{LINK_BESIDE_PATH}'), paired against 'gateway' per round",
+    )
     parser.add_argument("--peer", help="another OpenAI-compatible server's URL, driven by the same client")
     parser.add_argument("--peer-model", default="m", help="the model name to send to --peer")
     parser.add_argument("--trace", action="store_true", help="per-step traces of raw, engine and gateway")
@@ -864,6 +895,8 @@ def main(argv: list[str] | None = None) -> int:
     if unknown := set(args.link_modes.split(",")) - set(LINK_MODES):
         parser.error(f"--link-modes: no such sender {', '.join(sorted(unknown))}")
     args.link_modes = args.link_modes.split(",") if args.link_paths else []
+    if args.link_beside and not args.pin_all:
+        parser.error("--link-beside puts the link thread beside the pinned engine thread: add --pin-all")
     if args.processes_window_ms and not args.gateway_processes:
         parser.error("--processes-window-ms sets the window of --gateway-processes' worker")
     args.streams = [int(s) for s in args.streams.split(",") if s]

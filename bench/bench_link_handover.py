@@ -5,7 +5,8 @@ process; needs no GPU. Owns a stand-in for an exllama step beyond a batch of 8, 
 CPU-bound Python: per job a few small torch ops (each lets go of the GIL and takes it back, as a
 kernel launch does) and a little Python, then a GIL-free stretch like the wait for the GPU. Every
 round runs the same steps with no frame (`none`) and with each step's Step frame sent by each mode
-of bench/link_sink.py (`link`: the worker's own LinkThread; `direct`: the engine thread itself;
+of bench/link_sink.py (`link`: the worker's own LinkThread; `link-beside`: the same on the engine
+thread's core; `direct`: the engine thread itself;
 `take`, `take-send`: the floors of any second thread), interleaved, every other round in reverse
 order, with the engine thread alone on the last CPU and every other thread of both processes on
 the others. Reports each mode's median step and its steps per second against `none` in the same
@@ -40,7 +41,7 @@ from bench.link_sink import MODES, FrameSink  # noqa: E402
 from bench.streams import median_interval  # noqa: E402
 from wire.results import JobOutput  # noqa: E402
 
-SENDING = ("link", "direct", "take-send")  # the modes whose frames reach the sink
+SENDING = ("link", "link-beside", "direct", "take-send")  # the modes whose frames reach the sink
 SMALL = torch.randn(8, 8)
 WAIT = torch.randn(192, 192)
 
@@ -157,7 +158,9 @@ def main(argv: list[str] | None = None) -> int:
         senders = {mode: sink.sender(mode) for mode in MODES}
         pids = [os.getpid(), *sink.pids()]
         placement = {pid: others for pid in pids} if pinned else {}
-        engine_thread = {(os.getpid(), threading.get_native_id()): own} if pinned else {}
+        # The engine thread alone on its core, but for the link thread of `link-beside`.
+        beside = [threading.get_native_id(), *sink.beside_threads()]
+        engine_thread = {(os.getpid(), tid): own for tid in beside} if pinned else {}
         with placed(placement, engine_thread):
             levels = measure(args, senders)
     frames_sent = sum(

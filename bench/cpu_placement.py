@@ -65,6 +65,18 @@ def _threads(pid: int) -> list[int]:
         return []
 
 
+def named_threads(pid: int, name: str) -> list[int]:
+    """The process's threads that the operating system knows by this name (model_worker.native_names)."""
+    found = []
+    for tid in _threads(pid):
+        try:
+            if Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip() == name:
+                found.append(tid)
+        except OSError:  # a thread that ended meanwhile
+            pass
+    return found
+
+
 def pin(pid: int, cpus: Iterable[int]) -> None:
     """Every thread of the process (threads made later inherit from their creator)."""
     wanted = set(cpus)

@@ -6,6 +6,8 @@ standing in for the gateway) and the senders that the in-process rounds call aft
 
 - `link`: the worker's own LinkThread encodes and sends the frame on its thread, as a worker does;
   the engine thread only hands the message over;
+- `link-beside`: the same, with the link thread meant to run on the engine thread's own core (the
+  caller pins it there, with `beside_threads()`): a GIL hand-over then needs no other core to wake;
 - `direct`: the engine thread encodes and sends the frame itself, on a socket of its own: what the
   frame costs with no second thread taking the GIL (a worker never does this);
 - `take` and `take-send`: floors for any second thread. A bare thread blocks on a queue for each
@@ -32,7 +34,7 @@ import zmq
 from model_worker.link_thread import LinkThread
 from wire import messages as wire
 
-SENDER_MODES = ("link", "direct")
+SENDER_MODES = ("link", "link-beside", "direct")
 FLOOR_MODES = ("take", "take-send")
 MODES = (*SENDER_MODES, *FLOOR_MODES)
 END = b"end "  # the closer's frame: how many senders say goodbye
@@ -70,6 +72,7 @@ class FrameSink:
         )
         self._context = zmq.Context()
         self._links: list[LinkThread] = []
+        self._beside: list[int] = []  # native ids of the link threads of `link-beside`
         self._floors: list[tuple[queue.SimpleQueue[Any], threading.Thread]] = []
         self._sockets: list[zmq.Socket] = []
         self.frames_taken: int | None = None  # how many frames the sink took, once it has ended
@@ -96,7 +99,13 @@ class FrameSink:
         link = LinkThread(sock, patience_s=60.0, forward=frozenset())
         link.start()
         self._links.append(link)
+        if mode == "link-beside":
+            self._beside.append(link.link_thread_id)
         return lambda outputs: link.send(wire.Step(outputs))
+
+    def beside_threads(self) -> list[int]:
+        """The link threads the caller pins to the engine thread's core (mode `link-beside`)."""
+        return list(self._beside)
 
     def _floor_sender(self, sock: zmq.Socket, send: bool) -> Callable[[list[Any]], None]:
         handed: queue.SimpleQueue[Any] = queue.SimpleQueue()

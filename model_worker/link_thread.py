@@ -178,6 +178,13 @@ class LinkThread:
         self._inbound.put(_WAKE)
 
     @property
+    def link_thread_id(self) -> int:
+        """The link thread's id for the operating system (for CPU placement); after start()."""
+        native_id = self._thread.native_id
+        assert native_id is not None, "the link thread has not started"
+        return native_id
+
+    @property
     def preparing(self) -> int:
         """Generates that have arrived and are not handed over yet (their prompts being prepared)."""
         return self._generates_read - self._generates_prepared
