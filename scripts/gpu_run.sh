@@ -163,9 +163,9 @@ two_gpu_tests=(tests/gpu/test_mixed_registry.py tests/gpu/test_gateway_gpu.py::t
                tests/gpu/test_gateway_gpu.py::test_exllamav3_over_two_gpus)
 for stage in $stages; do
     case $stage in
-        tests)  # the two-GPU tests run in their own stage, in a fresh process, when it is asked for
+        tests)  # on two GPUs the two-GPU tests are left to their own stage, in a fresh process
             deselect=()
-            if ((gpus >= 2)) && [[ " $stages " == *" two-gpus "* ]]; then
+            if ((gpus >= 2)); then
                 for test in "${two_gpu_tests[@]}"; do [[ $test == *::* ]] && deselect+=(--deselect "$test"); done
             fi
             run_pytest tests 540 tests/gpu --ignore tests/gpu/test_mixed_registry.py \
