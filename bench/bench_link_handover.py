@@ -6,10 +6,9 @@ CPU-bound Python: per job a few small torch ops (each lets go of the GIL and tak
 kernel launch does) and a little Python, then a GIL-free stretch like the wait for the GPU. Every
 round runs the same steps with no frame (`none`) and with each step's Step frame sent by each mode
 of bench/link_sink.py (`link`: the worker's own LinkThread; `link-beside`: the same on the engine
-thread's core; `direct`: the engine thread itself;
-`take`, `take-send`: the floors of any second thread), interleaved, every other round in reverse
-order, with the engine thread alone on the last CPU and every other thread of both processes on
-the others. Reports each mode's median step and its steps per second against `none` in the same
+thread's core; `direct`: the engine thread itself; `take`, `take-send`: the floors of any second
+thread), interleaved, every other round in reverse order, with the engine thread alone on the last
+CPU (but for link-beside's link thread) and every other thread of both processes on the others. Reports each mode's median step and its steps per second against `none` in the same
 round (paired), and the engine thread's sleeps per step; writes a markdown table and JSON.
 
     .venv/bin/python bench/bench_link_handover.py --jobs 16,64 --rounds 12
