@@ -8,8 +8,9 @@ round runs the same steps with no frame (`none`) and with each step's Step frame
 of bench/link_sink.py (`link`: the worker's own LinkThread; `link-beside`: the same on the engine
 thread's core; `direct`: the engine thread itself; `take`, `take-send`: the floors of any second
 thread), interleaved, every other round in reverse order, with the engine thread alone on the last
-CPU (but for link-beside's link thread) and every other thread of both processes on the others. Reports each mode's median step and its steps per second against `none` in the same
-round (paired), and the engine thread's sleeps per step; writes a markdown table and JSON.
+CPU (but for link-beside's link thread) and every other thread of both processes on the others.
+Reports each mode's median step and its steps per second against `none` in the same round
+(paired), and the engine thread's sleeps per step; writes a markdown table and JSON.
 
     .venv/bin/python bench/bench_link_handover.py --jobs 16,64 --rounds 12
 """
