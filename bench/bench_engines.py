@@ -550,6 +550,13 @@ def _interval(bounds: list[float] | None, fmt: str, sep: str) -> str:
     return f"; median within {bounds[0]:{fmt}}{sep}{bounds[1]:{fmt}} (95 %)"
 
 
+def _paired_spread(r: dict[str, Any], prefix: str) -> str:
+    """'0.894 (turns 0.619-1.174; median within ...)': one paired tok/s ratio of a row, with its spread."""
+    within = _interval(r.get(f"{prefix}_paired_ratio_ci95"), ".3f", "-")
+    low, high = r[f"{prefix}_paired_ratio_min"], r[f"{prefix}_paired_ratio_max"]
+    return f"{r[f'{prefix}_paired_ratio']:.3f} (turns {low:.3f}-{high:.3f}{within})"
+
+
 def _ttft_added(raw: dict[str, Any], gw: dict[str, Any]) -> tuple[float, str]:
     of_medians = gw["ttft_ms_p50"] - raw["ttft_ms_p50"]
     if "paired_ttft_added_ms" not in gw:
@@ -719,26 +726,20 @@ def markdown(report: dict[str, Any]) -> str:
                          f"gateway, paired | tok/s {r['window_paired_ratio']:.3f}; TTFT "
                          f"{r['window_paired_ttft_added_ms']:+.1f} ms{within} | - |")  # fmt: skip
         if "beside_paired_ratio" in r:
-            spread = f"turns {r['beside_paired_ratio_min']:.3f}-{r['beside_paired_ratio_max']:.3f}"
-            within = _interval(r.get("beside_paired_ratio_ci95"), ".3f", "-")
             lines.append(f"| {r['streams']} streams: {r['path']} / gateway, paired | tok/s "
-                         f"{r['beside_paired_ratio']:.3f} ({spread}{within}); TTFT "
+                         f"{_paired_spread(r, 'beside')}; TTFT "
                          f"{r['beside_paired_ttft_added_ms']:+.1f} ms | - |")  # fmt: skip
         if "neighbours_paired_ratio" in r:
-            spread = f"turns {r['neighbours_paired_ratio_min']:.3f}-{r['neighbours_paired_ratio_max']:.3f}"
-            within = _interval(r.get("neighbours_paired_ratio_ci95"), ".3f", "-")
             lines.append(f"| {r['streams']} streams: gateway / raw beside neighbours "
-                         f"{report['settings']['neighbours']}, paired | {r['neighbours_paired_ratio']:.3f} "
-                         f"({spread}{within}) | - |")  # fmt: skip
+                         f"{report['settings']['neighbours']}, paired | "
+                         f"{_paired_spread(r, 'neighbours')} | - |")  # fmt: skip
         if "neighbour_cpu_pct" in r:
             lines.append(f"| {r['path']}, {r['streams']} streams: the neighbours' CPU, % of one core | "
                          f"{r['neighbour_cpu_pct']} | - |")  # fmt: skip
         if "engine_paired_ratio" in r:
-            within = _interval(r.get("engine_paired_ratio_ci95"), ".3f", "-")
             sleeps = r.get("threads", {}).get("main_sleeps_per_s")
             lines.append(f"| {r['streams']} streams: {r['path']} / engine, paired | tok/s "
-                         f"{r['engine_paired_ratio']:.3f} (turns {r['engine_paired_ratio_min']:.3f}-"
-                         f"{r['engine_paired_ratio_max']:.3f}{within}); engine thread sleeps per s "
+                         f"{_paired_spread(r, 'engine')}; engine thread sleeps per s "
                          f"{sleeps} | - |")  # fmt: skip
         if "one_gpu_paired_ratio" in r:
             spread = f"turns {r['one_gpu_paired_ratio_min']:.3f}-{r['one_gpu_paired_ratio_max']:.3f}"

@@ -2,9 +2,10 @@
 the command line, a malformed item refused with what was given) and the gateway-side time to first
 token read back from the access logs by the client's request ids (bench/access_log.py; several
 gateway processes each write their own), the report's lines for the admission-window worker, the
-several gateway processes and the neighbours, and `--pin-all` placing every worker's engine thread,
-not only the default one's, and the prompts of each round (the same, or fresh with
-`--fresh-prompts`). Runs in the test process (and one sleeping child, as a worker to place)."""
+several gateway processes, the neighbours and the link beside the engine, `--pin-all` placing every
+worker's engine thread, not only the default one's (and `--link-beside` its link thread beside it),
+and the prompts of each round (the same, or fresh with `--fresh-prompts`). Runs in the test process
+(and a sleeping child, as a worker to place)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import pytest
 from bench.access_log import add_gateway_ttft, ttft_by_round
 from bench.bench_engines import (
     ENV_PATH,
+    LINK_BESIDE_PATH,
     WINDOW_PATH,
     PromptSource,
     env_assignments,
@@ -26,8 +28,10 @@ from bench.bench_engines import (
     main,
     markdown,
     pin_other_workers,
+    pinned,
     processes_path,
 )
+from bench.cpu_placement import named_threads
 from bench.streams import Round, Stream, paired, summarize
 
 
@@ -42,6 +46,13 @@ def test_a_window_for_the_process_groups_needs_the_groups(capsys: pytest.Capture
         main(["--model", "unused", "--processes-window-ms", "8"])
     assert ended.value.code == 2
     assert "--processes-window-ms sets the window of --gateway-processes' worker" in capsys.readouterr().err
+
+
+def test_the_link_beside_the_engine_needs_a_pinned_engine(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as ended:
+        main(["--model", "unused", "--link-beside"])
+    assert ended.value.code == 2
+    assert "--link-beside puts the link thread beside the pinned engine thread" in capsys.readouterr().err
 
 
 def test_gateway_process_sizes_are_distinct_counts() -> None:
@@ -123,6 +134,8 @@ def test_the_report_pairs_the_window_worker_and_the_neighbours_with_their_baseli
          **{f"one_process_{k}": v for k, v in paired(window, beside).items()}},
         {"path": "raw, neighbours", "streams": 1, **summarize(beside), **paired(beside, raw),
          "neighbour_cpu_pct": 5.0},
+        {"path": LINK_BESIDE_PATH, "streams": 1, **summarize(beside), **paired(beside, raw),
+         **{f"beside_{k}": v for k, v in paired(beside, gateway).items()}},
     ]  # fmt: skip
     report = {"device": "d", "date": "t", "engine": "exllamav3", "model": "/m", "new_tokens": 8, "rounds": 7,
               "versions": {"engine": "1", "torch": "2"}, "rows": rows, "logprobs": [], "mixed": [],
@@ -140,6 +153,11 @@ def test_the_report_pairs_the_window_worker_and_the_neighbours_with_their_baseli
     ratio = gateway[0].tok_s / beside[0].tok_s  # every turn alike here
     assert f"| 1 streams: gateway / raw beside neighbours ['28 ms : 600 us'], paired | {ratio:.3f}" in text
     assert "| raw, neighbours, 1 streams: the neighbours' CPU, % of one core | 5.0 |" in text
+    to_gateway = beside[0].tok_s / gateway[0].tok_s
+    assert (
+        f"| 1 streams: {LINK_BESIDE_PATH} / gateway, paired | tok/s {to_gateway:.3f} "
+        f"(turns {to_gateway:.3f}-{to_gateway:.3f}" in text
+    )
     assert "@ 3 (1.00), 1980 MHz" in text
 
 
@@ -170,6 +188,59 @@ def test_pin_all_puts_every_workers_engine_thread_on_the_engines_core() -> None:
             assert seen[WINDOW_PATH] == own and seen[ENV_PATH] == own
             assert seen["peer"] == set(cpus)
             assert os.sched_getaffinity(worker.pid) == set(cpus)  # free again after each round
+        finally:
+            worker.kill()
+
+
+LINKED_CHILD = """
+import sys, threading
+from model_worker.native_names import name_this_thread
+done = threading.Event()
+def link():
+    name_this_thread()
+    sys.stdin.read()
+    done.set()
+def prompts():
+    name_this_thread()
+    done.wait()
+threads = [threading.Thread(target=link, name="worker-link"),
+           threading.Thread(target=prompts, name="worker-prompts")]
+for thread in threads:
+    thread.start()
+print(threads[0].native_id, threads[1].native_id, flush=True)
+for thread in threads:
+    thread.join()
+"""
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs to place a worker on one")
+def test_link_beside_puts_the_workers_link_thread_on_the_engines_core() -> None:
+    """--link-beside: the worker's thread named worker-link joins its engine (main) thread on the
+    engine's core for the round; its other threads stay on the rest, and all are free afterwards."""
+    cpus = sorted(os.sched_getaffinity(0))
+    own, rest = {cpus[-1]}, set(cpus[:-1])
+    with subprocess.Popen(
+        [sys.executable, "-c", LINKED_CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
+    ) as worker:  # fmt: skip
+        try:
+            assert worker.stdout is not None
+            link, prompts = (int(tid) for tid in worker.stdout.readline().split())
+            assert named_threads(worker.pid, "worker-link") == [link]
+            seen: dict[int, set[int]] = {}
+
+            def round_() -> str:
+                for tid in os.listdir(f"/proc/{worker.pid}/task"):
+                    seen[int(tid)] = os.sched_getaffinity(int(tid))
+                return "done"
+
+            def link_thread() -> list[tuple[int, int]]:
+                return [(worker.pid, tid) for tid in named_threads(worker.pid, "worker-link")]
+
+            beside = pinned(round_, {worker.pid: rest}, (worker.pid, worker.pid), own, link_thread)
+            assert beside() == "done"
+            assert seen == {worker.pid: own, link: own, prompts: rest}
+            assert os.sched_getaffinity(link) == set(cpus)  # free again after the round
         finally:
             worker.kill()
 
