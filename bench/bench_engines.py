@@ -740,7 +740,7 @@ def markdown(report: dict[str, Any]) -> str:
             sleeps = r.get("threads", {}).get("main_sleeps_per_s")
             lines.append(f"| {r['streams']} streams: {r['path']} / engine, paired | tok/s "
                          f"{_paired_spread(r, 'engine')}; engine thread sleeps per s "
-                         f"{sleeps} | - |")  # fmt: skip
+                         f"{'-' if sleeps is None else round(sleeps, 1)} | - |")  # fmt: skip
         if "one_gpu_paired_ratio" in r:
             spread = f"turns {r['one_gpu_paired_ratio_min']:.3f}-{r['one_gpu_paired_ratio_max']:.3f}"
             lines.append(f"| {r['path']}, {r['streams']} streams: tok/s / one GPU's | "
@@ -896,7 +896,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown := set(args.link_modes.split(",")) - set(LINK_MODES):
         parser.error(f"--link-modes: no such sender {', '.join(sorted(unknown))}")
     args.link_modes = args.link_modes.split(",") if args.link_paths else []
-    if args.link_beside and not args.pin_all:
+    if (args.link_beside or "link-beside" in args.link_modes) and not args.pin_all:
         parser.error("--link-beside puts the link thread beside the pinned engine thread: add --pin-all")
     if args.processes_window_ms and not args.gateway_processes:
         parser.error("--processes-window-ms sets the window of --gateway-processes' worker")

@@ -48,9 +48,15 @@ def test_a_window_for_the_process_groups_needs_the_groups(capsys: pytest.Capture
     assert "--processes-window-ms sets the window of --gateway-processes' worker" in capsys.readouterr().err
 
 
-def test_the_link_beside_the_engine_needs_a_pinned_engine(capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(
+    "options",
+    [["--link-beside"], ["--paths", "raw,engine", "--link-paths", "--link-modes", "link,link-beside"]],
+)
+def test_the_link_beside_the_engine_needs_a_pinned_engine(
+    options: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
     with pytest.raises(SystemExit) as ended:
-        main(["--model", "unused", "--link-beside"])
+        main(["--model", "unused", *options])
     assert ended.value.code == 2
     assert "--link-beside puts the link thread beside the pinned engine thread" in capsys.readouterr().err
 
