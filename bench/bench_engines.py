@@ -203,7 +203,7 @@ def thread_summary(done: list[Round]) -> dict[str, Any]:
                 "others_cpu_pct"):  # fmt: skip
         values = [u[key] for u in usages if key in u]
         if values:
-            summary[key] = statistics.median(values)
+            summary[key] = round(statistics.median(values), 2)  # a median of two is a mean: no float noise
     summary["others_by_name"] = usages[-1].get("others_by_name", {})
     return {"threads": summary}
 

@@ -4,8 +4,9 @@ token read back from the access logs by the client's request ids (bench/access_l
 gateway processes each write their own), the report's lines for the admission-window worker, the
 several gateway processes, the neighbours and the link beside the engine, `--pin-all` placing every
 worker's engine thread, not only the default one's (and `--link-beside` its link thread beside it),
-and the prompts of each round (the same, or fresh with `--fresh-prompts`). Runs in the test process
-(and a sleeping child, as a worker to place)."""
+the prompts of each round (the same, or fresh with `--fresh-prompts`), and the engine thread's
+medians over the rounds as printed. Runs in the test process (and a sleeping child, as a worker to
+place)."""
 
 from __future__ import annotations
 
@@ -30,6 +31,8 @@ from bench.bench_engines import (
     pin_other_workers,
     pinned,
     processes_path,
+    thread_lines,
+    thread_summary,
 )
 from bench.cpu_placement import named_threads
 from bench.streams import Round, Stream, paired, summarize
@@ -261,3 +264,18 @@ def test_fresh_prompts_are_new_in_every_round_and_the_default_ones_repeat() -> N
     assert len(set(every)) == len(every)  # no round, and no stream, repeats another's prompt
     # Each stream's prompt starts with its own text, so none shares a cached prefix with another.
     assert len({text.split(".")[0] for text in rounds[0]}) == 4
+
+
+def test_thread_medians_are_printed_rounded() -> None:
+    """A median of an even count of rounds is a mean of two: the table shows it to 2 places."""
+    usages = [
+        {"main_sleeps_per_s": 165.3, "others_cpu_pct": 1.4},
+        {"main_sleeps_per_s": 165.4, "others_cpu_pct": 1.5, "others_by_name": {"worker-link": 1.0}},
+    ]
+    done = [Round([Stream(0.0, [0.01])], threads=usage) for usage in usages]
+    summary = thread_summary(done)["threads"]
+    assert summary["main_sleeps_per_s"] == 165.35
+    assert summary["others_cpu_pct"] == 1.45
+    assert summary["others_by_name"] == {"worker-link": 1.0}
+    line = thread_lines([{"path": "gateway", "streams": 1, "threads": summary}])[2]
+    assert "| 165.35 |" in line
