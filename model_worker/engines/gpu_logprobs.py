@@ -6,7 +6,10 @@ Runs in the worker process, inside an engine, on the serve loop's thread. The ge
 times slower. Instead, `StepLogprobs` sees the step's logits while they are still on the GPU (the
 engine routes the generator's forward pass through `capture`), computes one log-softmax and one
 top-k over the rows of the jobs that asked for logprobs, and after the step gathers each sampled
-token's logprob: a few small copies to the CPU per step, never a vocabulary-wide one.
+token's logprob: one small copy to the GPU and one back per step, never a vocabulary-wide one, and
+both after the step's own wait for its sampled tokens. Nothing in the middle of the step waits for
+the GPU: a copy there (to or from it) would make the CPU wait for the forward pass before it
+launches the sampler, and a step whose time is the CPU's launches loses that wait outright.
 
 The values are the model's own distribution (log-softmax of its logits), before temperature,
 penalties and filters: what OpenAI's API and vLLM report. Each job keeps a FIFO of entries, one
@@ -28,9 +31,11 @@ MIN_LOGPROB = -9999.0  # stands in for log(0), which JSON cannot carry
 
 @dataclass
 class _Captured:
-    logprobs: Any  # (rows, positions, vocab) float tensor on the GPU
-    top_ids: list[list[list[int]]]  # [row][position][k]
-    top_values: list[list[list[float]]]
+    """One step's capture, all on the GPU until `record` reads what the sampled tokens need."""
+
+    logprobs: Any  # (rows, positions, vocab) float tensor
+    top_values: Any  # (rows, positions, k) float tensor; None when no job wants alternatives
+    top_ids: Any  # (rows, positions, k) integer tensor; None likewise
     row_of: dict[Hashable, tuple[int, int]]  # job key -> (row in `logprobs`, its top-k)
 
 
@@ -112,23 +117,26 @@ class StepLogprobs:
 
     def capture(self, logits: Any, row_keys: list[Hashable]) -> None:
         """Called with a decode forward pass's logits (batch rows x positions x vocab, on the GPU)
-        and the job key of each row; keeps log-softmax and top-k of the rows whose jobs want them."""
+        and the job key of each row; keeps log-softmax and top-k of the rows whose jobs want them.
+        Only launches work on the GPU: nothing here waits for it."""
         import torch
 
         rows = [(i, key) for i, key in enumerate(row_keys) if key in self._jobs]
         if not rows:
             self._captured = None
             return
-        index = torch.tensor([i for i, _ in rows], device=logits.device)
-        logprobs = torch.log_softmax(logits.index_select(0, index)[..., : self.vocab_size].float(), dim=-1)
+        if len(rows) < logits.shape[0]:
+            index = torch.tensor([i for i, _ in rows])
+            if logits.is_cuda:  # pinned, so that the copy is queued behind the forward pass, not waited for
+                index = index.pin_memory()
+            logits = logits.index_select(0, index.to(logits.device, non_blocking=True))
+        logprobs = torch.log_softmax(logits[..., : self.vocab_size].float(), dim=-1)
         top_k = max(self._jobs[key].top_k for _, key in rows)
-        top_ids: list[list[list[int]]] = [[[] for _ in range(logprobs.shape[1])] for _ in rows]
-        top_values: list[list[list[float]]] = [[[] for _ in range(logprobs.shape[1])] for _ in rows]
+        top_values = top_ids = None
         if top_k:
-            values, ids = torch.topk(logprobs, min(top_k, logprobs.shape[-1]), dim=-1)
-            top_values, top_ids = values.cpu().tolist(), ids.cpu().tolist()
+            top_values, top_ids = torch.topk(logprobs, min(top_k, logprobs.shape[-1]), dim=-1)
         row_of = {key: (r, self._jobs[key].top_k) for r, (_, key) in enumerate(rows)}
-        self._captured = _Captured(logprobs, top_ids, top_values, row_of)
+        self._captured = _Captured(logprobs, top_values, top_ids, row_of)
 
     def record(self, sampled: dict[Hashable, list[int]]) -> None:
         """After the step: the tokens each job sampled in it, in order (position 0, 1, ... of its
@@ -142,21 +150,26 @@ class StepLogprobs:
             return
         import torch
 
-        device = captured.logprobs.device
-        rows = torch.tensor([captured.row_of[key][0] for key, _, _ in picks], device=device)
-        positions = torch.tensor([pos for _, pos, _ in picks], device=device)
-        tokens = torch.tensor([min(token, self.vocab_size - 1) for _, _, token in picks], device=device)
-        chosen = captured.logprobs[rows, positions, tokens].cpu().tolist()
+        logprobs = captured.logprobs
+        _, positions, vocab = logprobs.shape
+        flat = [(captured.row_of[key][0] * positions + pos) * vocab + min(token, self.vocab_size - 1)
+                for key, pos, token in picks]  # fmt: skip
+        parts = [logprobs.reshape(-1).index_select(0, torch.tensor(flat, device=logprobs.device))]
+        if captured.top_values is not None:
+            # Ids travel as float64 beside the values, exactly (a vocabulary is far below 2**53):
+            # one copy back for the whole step.
+            parts += [captured.top_values.reshape(-1), captured.top_ids.reshape(-1)]
+        values = torch.cat([part.double() for part in parts]).cpu().tolist()
+        chosen, tops = values[: len(picks)], values[len(picks) :]
+        width = 0 if captured.top_values is None else captured.top_values.shape[-1]
+        ids_at = len(tops) // 2
         for (key, pos, token), logprob in zip(picks, chosen, strict=True):
             row, top_k = captured.row_of[key]
             if token >= self.vocab_size:
                 logprob = MIN_LOGPROB
-            alternatives = [
-                (token_id, max(value, MIN_LOGPROB))
-                for token_id, value in zip(
-                    captured.top_ids[row][pos][:top_k], captured.top_values[row][pos][:top_k], strict=True
-                )
-            ]
+            first = (row * positions + pos) * width
+            alternatives = [(int(tops[ids_at + first + i]), max(tops[first + i], MIN_LOGPROB))
+                            for i in range(min(top_k, width))]  # fmt: skip
             self._jobs[key].queue.append((max(logprob, MIN_LOGPROB), alternatives))
 
     def take(self, key: Hashable, count: int) -> list[Entry]:

@@ -118,3 +118,21 @@ def test_held_tokens_keep_their_entries_until_emitted_and_nothing_is_armed_witho
     logprobs.drop_job("a")
     assert not logprobs.active and logprobs.take("a", 1) == []
     assert MIN_LOGPROB < -1000
+
+
+def test_a_job_asking_more_alternatives_than_the_vocabulary_gets_each_id_once() -> None:
+    logits = torch.tensor([[[0.0, 3.0, 1.0, 2.0]], [[5.0, 0.0, 0.0, 0.0]]])
+    jobs = [_Job("wide", [0]), _Job("narrow", [0])]
+    generator = _Generator(_Model(logits), jobs)
+    logprobs = StepLogprobs(vocab_size=4)
+    logprobs.attach(generator, generator.model, "forward")
+    logprobs.add_job("wide", top_k=20, prompt_tokens=1)
+    logprobs.add_job("narrow", top_k=1, prompt_tokens=1)
+    generator.iterate_gen({"wide": [1], "narrow": [0]})
+    logprobs.after_step({job.identifier: job for job in jobs})
+
+    [(_, wide_top)] = logprobs.take("wide", 1)
+    assert [token for token, _ in wide_top] == [1, 3, 2, 0], "each id once, best first; no other job's row"
+    [(narrow_logprob, narrow_top)] = logprobs.take("narrow", 1)
+    assert [token for token, _ in narrow_top] == [0]
+    assert abs(narrow_logprob - float(torch.log_softmax(logits[1, 0], dim=-1)[0])) < 1e-6
