@@ -138,13 +138,15 @@ def engine_round(
     new_tokens: int,
     trace: Any = None,
     send: Callable[[list[Any]], None] | None = None,
+    logprobs: int | None = None,
 ) -> Round:
     """One round through our engine's submit/step in this process (the worker's engine, no serve
     loop or HTTP): with raw and gateway rounds it splits the gateway's overhead in two. `send`, if
-    given, takes each step's outputs after the step (bench/link_sink.py: a Step frame to a sink)."""
+    given, takes each step's outputs after the step (bench/link_sink.py: a Step frame to a sink);
+    `logprobs`, every job asks for that many alternatives per token."""
     from wire.params import SamplingParams
 
-    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True, logprobs=logprobs)
     streams = {f"e{i}": Stream(0.0) for i in range(len(prompts))}
     for (rid, stream), prompt in zip(streams.items(), prompts, strict=True):
         stream.started = time.perf_counter()

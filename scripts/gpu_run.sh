@@ -28,6 +28,8 @@
 #   QUANT_PRESET      quant-bench: the demo shape converted to 4 bpw EXL2 and EXL3 and benchmarked
 #                     (default 1b; llama3-3b, the Llama 3.2 3B shape; llama3-8b where its conversions
 #                     fit the run); QUANT_FORMATS (default exl2,exl3), QUANT_BENCH_ARGS for its benchmark
+#   "logprobs-step"   what logprobs cost the engine's steps in-process (bench/bench_logprobs_step.py,
+#                     LOGPROBS_BENCH_ARGS: say "--engine exllamav2 --baseline FILE"; BENCH_CAP_S its cap)
 # A py-spy wheel in .tools/ (optional) makes the benchmarks profile one round of each path.
 set -uo pipefail
 
@@ -197,6 +199,12 @@ m('$qmodel', preset='$preset', seed=0, device='cuda')"
         bench-v2-unpaged) run_bench bench-v2-unpaged 150 --engine exllamav2 --unpaged --streams 1 \
             --logprob-streams= --paths raw,engine,gateway ;;
         bench-v3) run_bench bench-v3 "${BENCH_CAP_S:-290}" --engine exllamav3 ${BENCH_ARGS:-} ;;
+        logprobs-step)
+            limit=$(allow "${BENCH_CAP_S:-290}")
+            say "stage logprobs-step (limit ${limit}s)"
+            timeout -k 10 "$limit" python3 bench/bench_logprobs_step.py --model "$GPU_TEST_BIG_MODEL" \
+                --out-dir /tmp/bench ${LOGPROBS_BENCH_ARGS:-}
+            status[logprobs-step]="rc=$?" ;;
         two-gpus)
             if ((gpus < 2)); then status[two-gpus]="skipped (one GPU)"; continue; fi
             run_pytest two-gpus 240 "${two_gpu_tests[@]}"
