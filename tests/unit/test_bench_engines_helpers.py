@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -22,10 +23,12 @@ from bench.access_log import add_gateway_ttft, ttft_by_round
 from bench.bench_engines import (
     ENV_PATH,
     LINK_BESIDE_PATH,
+    LOGPROBS_PATH,
     WINDOW_PATH,
     PromptSource,
     env_assignments,
     gateway_process_sizes,
+    logprobs_lines,
     main,
     markdown,
     pin_other_workers,
@@ -279,3 +282,21 @@ def test_thread_medians_are_printed_rounded() -> None:
     assert summary["others_by_name"] == {"worker-link": 1.0}
     line = thread_lines([{"path": "gateway", "streams": 1, "threads": summary}])[2]
     assert "| 165.35 |" in line
+
+
+def test_the_logprobs_target_pairs_each_turn_and_reads_older_reports() -> None:
+    plain, with_logprobs = _rounds(0.020, 6), _rounds(0.025, 6)
+    paired_row = {"path": LOGPROBS_PATH, "streams": 64, **summarize(with_logprobs)}
+    paired_row.update(paired(with_logprobs, plain))
+    rows = [{"path": "gateway", "streams": 64, **summarize(plain)}, paired_row]
+    turns = sorted(w.tok_s / p.tok_s for w, p in zip(with_logprobs, plain, strict=True))
+    median = statistics.median(turns)
+    assert median < 0.90
+    [line] = logprobs_lines(rows)
+    assert line == (f"| 64 streams: logprobs 1 total tok/s >= 0.90 x without | {median:.3f} "
+                    f"(turns {turns[0]:.3f}-{turns[-1]:.3f}) | **no** |")  # fmt: skip
+    older = [rows[0], {k: v for k, v in paired_row.items() if not k.startswith("paired_")}]
+    of_medians = older[1]["tok_s_total"] / older[0]["tok_s_total"]
+    assert logprobs_lines(older) == [
+        f"| 64 streams: logprobs 1 total tok/s >= 0.90 x without | {of_medians:.3f} | **no** |"
+    ]
