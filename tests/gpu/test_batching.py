@@ -47,6 +47,27 @@ def test_concurrent_greedy_streams_match_solo_runs(paged_engine: Any, mode: str)
     record(f"batch 8x300 equals solo {mode}", identical_tokens=matched)
 
 
+def test_logprobs_of_some_jobs_in_a_batch_are_their_own(paged_engine: Any) -> None:
+    """Jobs asking for 3 alternatives, for 1, and for no logprobs, in one batch: the rows of those
+    that ask are picked out of each step's logits, so each gets its solo run's entries (as many
+    alternatives as it asked for) and the others none."""
+    jobs = prompts(paged_engine, 6)
+    asks = {rid: (3, 1, None)[i % 3] for i, rid in enumerate(jobs)}
+    solo = {rid: run_job(paged_engine, ids, greedy(64, logprobs=3)) for rid, ids in jobs.items()}
+    runs = run_jobs(paged_engine, {rid: (ids, greedy(64, logprobs=asks[rid])) for rid, ids in jobs.items()})
+    for rid, run in runs.items():
+        assert len(run.token_ids) == 64, rid
+        if asks[rid] is None:
+            assert run.logprobs == [], rid
+            continue
+        same = assert_same_tokens(solo[rid].token_ids, solo[rid].logprobs, run.token_ids, rid)
+        assert len(run.logprobs) == 64, rid
+        for alone, batched in zip(solo[rid].logprobs[:same], run.logprobs[:same], strict=True):
+            assert batched.token_id == alone.token_id and abs(batched.logprob - alone.logprob) < 0.05
+            assert len(batched.top) == asks[rid]
+            assert abs(batched.top[0].logprob - alone.top[0].logprob) < 0.05
+
+
 @pytest.mark.parametrize("mode", PAGED_MODES)
 def test_more_jobs_than_cache_pages_wait_their_turn(mode: str, tiny_model: Path) -> None:
     """A cache of 2048 tokens (8 pages) holds two of these jobs at a time: each asks for as many
