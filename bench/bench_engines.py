@@ -66,16 +66,19 @@ class PromptSource:
     """A level's prompts for each round: the same ones every round (the default, as earlier runs
     sent them), or with `fresh` new ones every round, so that no round finds its prompts in the
     engine's cache from an earlier one (exllamav3 prefilled 64 repeated 151-token prompts in 190 ms,
-    64 new ones in 1.8 s)."""
+    64 new ones in 1.8 s). A `scenario` names a second source at the same level (the logprobs
+    rounds), so that its fresh prompts are not the level's from the same round numbers."""
 
-    def __init__(self, count: int, fresh: bool) -> None:
+    def __init__(self, count: int, fresh: bool, scenario: str = "") -> None:
         self.count, self.fresh, self.rounds = count, fresh, 0
+        self.scenario = f"{scenario} " if scenario else ""
 
     def texts(self) -> list[str]:
         if not self.fresh:
             return prompts(self.count)
         self.rounds += 1
-        return [f"Stream {i:03d}, round {self.rounds:04d}. {PROMPT}" for i in range(self.count)]
+        tag = f"{self.scenario}round {self.rounds:04d}"
+        return [f"Stream {i:03d}, {tag}. {PROMPT}" for i in range(self.count)]
 
 
 # --split: (path, registry name, engine settings over GPUs 0 and 1). The layer split is given GB per GPU,
@@ -464,12 +467,14 @@ def run_overhead(args: argparse.Namespace, report: dict[str, Any]) -> None:
             print(f"bench: {count} streams done", flush=True)
         report["worker_threads_after"] = {name: process_threads(pid) for name, pid in pids.items()}
         for count in args.logprob_streams:
-            texts = prompts(count)
-            http_round(gw.url, "m", texts, args.new_tokens, 1)
+            # With --fresh-prompts every round, of either path, sends prompts no round sent before.
+            source = PromptSource(count, args.fresh_prompts, scenario="logprobs")
+            http_round(gw.url, "m", source.texts(), args.new_tokens, 1)
             asks = {"gateway": None, LOGPROBS_PATH: 1}
             lp_rounds: dict[str, list[Round]] = {path: [] for path in asks}
             for turn in range(args.rounds):  # every other turn in reverse, as the levels run theirs
                 for path in asks if turn % 2 == 0 else reversed(asks):
+                    texts = source.texts()
                     lp_rounds[path].append(http_round(gw.url, "m", texts, args.new_tokens, asks[path]))
             for path, done in lp_rounds.items():
                 row = {"path": path, "streams": count, **summarize(done)}

@@ -269,6 +269,14 @@ def test_fresh_prompts_are_new_in_every_round_and_the_default_ones_repeat() -> N
     assert len({text.split(".")[0] for text in rounds[0]}) == 4
 
 
+def test_a_second_scenarios_fresh_prompts_are_not_the_levels() -> None:
+    level, logprobs = PromptSource(4, fresh=True), PromptSource(4, fresh=True, scenario="logprobs")
+    sent = [text for _ in range(3) for text in level.texts()]
+    assert not set(sent) & {text for _ in range(3) for text in logprobs.texts()}
+    # Without --fresh-prompts both repeat the same prompts, as runs before the option sent them.
+    assert PromptSource(4, False, scenario="logprobs").texts() == PromptSource(4, False).texts()
+
+
 def test_thread_medians_are_printed_rounded() -> None:
     """A median of an even count of rounds is a mean of two: the table shows it to 2 places."""
     usages = [
