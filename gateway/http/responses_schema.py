@@ -106,7 +106,8 @@ class ResponsesRequest(BaseModel):
             except ValidationError as exc:
                 first = exc.errors()[0]
                 where = ".".join(str(p) for p in first["loc"][:1])
-                raise InvalidRequest(f"input[{index}].{where}: {first['msg']}", param="input") from None
+                message = first["msg"].removeprefix("Value error, ")
+                raise InvalidRequest(f"input[{index}].{where}: {message}", param="input") from None
         return messages
 
     def response_format(self) -> dict[str, Any] | None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from gateway.config.models import ModelConfig
 from gateway.errors import InvalidRequest
@@ -225,13 +225,26 @@ class ToolCallItem(BaseModel):
     function: FunctionCall
 
 
+# Roles whose messages OpenAI's API refuses without content; an assistant's may carry only tool
+# calls, and a legacy function result may be null.
+_ROLES_NEEDING_CONTENT = frozenset({"system", "developer", "user", "tool"})
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
-    content: str | list[ContentPart] | None = None
+    content: str | list[ContentPart] | None = Field(default=None, validate_default=True)
     name: str | None = None
     tool_calls: list[ToolCallItem] | None = None
     tool_call_id: str | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _content_where_required(cls, content: Any, info: ValidationInfo) -> Any:
+        role = info.data.get("role")  # absent when the role itself failed validation
+        if content is None and role in _ROLES_NEEDING_CONTENT:
+            raise ValueError(f"a {role} message needs content (a string or a list of content parts)")
+        return content
 
     def to_wire(self) -> wire.ChatMessage:
         """Templates expect `content` as one string; text parts are joined, others refused."""

@@ -41,6 +41,32 @@ def test_invalid_parameter_is_400_naming_it(
     assert_error(post(two_model_gateway, "/v1/chat/completions", body), 400, "invalid_request", field)
 
 
+@pytest.mark.parametrize("role", ["user", "system", "tool"])
+def test_a_message_without_content_is_400_unless_an_assistants(
+    two_model_gateway: GatewayProcess, role: str
+) -> None:
+    body = {"model": "demo-small", "max_tokens": 2,
+            "messages": [{"role": "user", "content": "x"}, {"role": role, "content": None}]}  # fmt: skip
+    response = post(two_model_gateway, "/v1/chat/completions", body)
+    assert_error(response, 400, "invalid_request", "messages.1.content")
+    assert f"a {role} message needs content" in response.json()["error"]["message"]
+    # Omitted is the same as null; an assistant's turn may be only its tool calls.
+    del body["messages"][1]["content"]  # type: ignore[index]
+    assert_error(
+        post(two_model_gateway, "/v1/chat/completions", body), 400, "invalid_request", "messages.1.content"
+    )
+    calls = [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
+    body["messages"] = [
+        {"role": "user", "content": "x"},
+        {"role": "assistant", "content": None, "tool_calls": calls},
+        {"role": "tool", "tool_call_id": "c1", "content": "42"},
+    ]
+    assert post(two_model_gateway, "/v1/chat/completions", body).status_code == 200
+    responses = post(two_model_gateway, "/v1/responses", {"model": "demo-small", "input": [{"role": role}]})
+    assert_error(responses, 400, "invalid_request", "input")
+    assert f"input[0].content: a {role} message needs content" in responses.json()["error"]["message"]
+
+
 def test_missing_messages_and_bad_json(two_model_gateway: GatewayProcess) -> None:
     assert_error(
         post(two_model_gateway, "/v1/chat/completions", {"model": "demo-small"}), 400, None, "messages"
