@@ -231,7 +231,15 @@ _ROLES_NEEDING_CONTENT = frozenset({"system", "developer", "user", "tool"})
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    # The OpenAPI description says the same as the validator below, so that a client generated from
+    # it (or a fuzzer) sends content where the role needs it.
+    model_config = ConfigDict(
+        extra="allow",
+        json_schema_extra={
+            "if": {"properties": {"role": {"enum": sorted(_ROLES_NEEDING_CONTENT)}}},
+            "then": {"required": ["content"], "properties": {"content": {"not": {"type": "null"}}}},
+        },
+    )
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[ContentPart] | None = Field(default=None, validate_default=True)
     name: str | None = None
