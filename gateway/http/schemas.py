@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationInfo, field_validator, model_validator
 
 from gateway.config.models import ModelConfig
 from gateway.errors import InvalidRequest
@@ -227,7 +227,7 @@ class ToolCallItem(BaseModel):
 
 # Roles whose messages OpenAI's API refuses without content; an assistant's may carry only tool
 # calls, and a legacy function result may be null.
-_ROLES_NEEDING_CONTENT = frozenset({"system", "developer", "user", "tool"})
+_ROLES_NEEDING_CONTENT: list[JsonValue] = ["developer", "system", "tool", "user"]
 
 
 class ChatMessage(BaseModel):
@@ -236,7 +236,7 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(
         extra="allow",
         json_schema_extra={
-            "if": {"properties": {"role": {"enum": sorted(_ROLES_NEEDING_CONTENT)}}},
+            "if": {"properties": {"role": {"enum": _ROLES_NEEDING_CONTENT}}},
             "then": {"required": ["content"], "properties": {"content": {"not": {"type": "null"}}}},
         },
     )
