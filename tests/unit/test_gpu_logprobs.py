@@ -16,14 +16,23 @@ from model_worker.engines.gpu_logprobs import MIN_LOGPROB, StepLogprobs
 
 
 class _Sequence:
-    def __init__(self, ids: list[int]) -> None:
-        self.ids = list(ids)
+    """As exllamav2's and exllamav3's `SeqTensor` hold a job's ids: in a (1, capacity) CPU tensor that a
+    larger one replaces when it is full."""
+
+    def __init__(self, ids: list[int], capacity: int = 2) -> None:
+        self.tensor = torch.zeros((1, capacity), dtype=torch.long)
+        self.length = 0
+        self.extend(ids)
 
     def __len__(self) -> int:
-        return len(self.ids)
+        return self.length
 
-    def torch_slice(self, a: int, b: None) -> torch.Tensor:
-        return torch.tensor([self.ids[a:]])
+    def extend(self, ids: list[int]) -> None:
+        end = self.length + len(ids)
+        if end > self.tensor.shape[1]:
+            self.tensor = torch.cat((self.tensor, torch.zeros((1, end), dtype=torch.long)), dim=1)
+        self.tensor[0, self.length : end] = torch.tensor(ids, dtype=torch.long)
+        self.length = end
 
 
 @dataclass
@@ -63,7 +72,7 @@ class _Generator:
         self.model.forward(None)
         for job in self.active_jobs:
             if job.is_prefill_done():
-                job.sequences[0].sequence_ids.ids += samples[job.identifier]
+                job.sequences[0].sequence_ids.extend(samples[job.identifier])
 
     def prefill(self) -> None:
         self.model.forward(None)  # outside iterate_gen: never captured
@@ -136,3 +145,17 @@ def test_a_job_asking_more_alternatives_than_the_vocabulary_gets_each_id_once() 
     [(narrow_logprob, narrow_top)] = logprobs.take("narrow", 1)
     assert [token for token, _ in narrow_top] == [0]
     assert abs(narrow_logprob - float(torch.log_softmax(logits[1, 0], dim=-1)[0])) < 1e-6
+
+
+def test_each_step_reads_the_tokens_just_sampled_after_the_sequence_grows() -> None:
+    logits = torch.log(torch.tensor([[[0.1, 0.2, 0.3, 0.4]]]))
+    job = _Job("a", [0])  # a capacity of 2: the ids move to a larger tensor on the second step
+    generator = _Generator(_Model(logits), [job])
+    logprobs = StepLogprobs(vocab_size=4)
+    logprobs.attach(generator, generator.model, "forward")
+    logprobs.add_job("a", top_k=0, prompt_tokens=1)
+    for token in (3, 1, 2, 0):
+        generator.iterate_gen({"a": [token]})
+        logprobs.after_step({"a": job})
+    entries = logprobs.take("a", 4)
+    assert [round(lp, 5) for lp, _ in entries] == [round(float(logits[0, 0, t]), 5) for t in (3, 1, 2, 0)]
