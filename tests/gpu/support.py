@@ -250,9 +250,9 @@ def wait_idle(gateway: Any, timeout: float = 10.0) -> list[dict[str, Any]]:
 
 def steps_by_request(trace_path: Path) -> list[dict[str, Any]]:
     """A worker's step trace (GATEWAY_STEP_TRACE) cut at each step that gave a job its first token,
-    for requests sent one after another: per request, its steps and the medians of their wall, GPU
+    for requests sent one after another: per request, its steps, the medians of their wall, GPU
     and outside-the-step times (say whether a slow request was slow on the GPU, in the step's CPU
-    work, or in the loop around it)."""
+    work, or in the loop around it), and its longest step (where a one-time cost would sit)."""
     if not trace_path.exists():
         return []
     requests: list[list[dict[str, Any]]] = []
@@ -272,6 +272,9 @@ def steps_by_request(trace_path: Path) -> list[dict[str, Any]]:
             "step_ms": median(rows, "step_ms"),
             "gpu_ms": median(rows, "gpu_ms"),
             "outside_ms": median(rows, "outside_ms"),
+            "longest_ms": max(
+                (float(r["step_ms"]) for r in rows if r.get("step_ms") is not None), default=None
+            ),
         }  # fmt: skip
         for rows in requests
     ]

@@ -288,11 +288,19 @@ def test_first_request_after_ready_is_warm(mode: str, big_model: Path, tmp_path:
                 seconds.append(time.perf_counter() - started)
         worker = gw.workers()[0]
     median = statistics.median(seconds)
+    steps = steps_by_request(trace)
     record(f"gateway first vs tenth 8B {mode}", first_s=seconds[0], tenth_s=seconds[9], median_s=median,
            warmup_s=worker.get("warmup_s"), load_s=worker.get("load_s"), seconds=seconds,
-           steps_by_request=steps_by_request(trace),
+           steps_by_request=steps,
            library_env={k: v for k, v in os.environ.items() if k.startswith("EXL3_")})  # fmt: skip
-    assert seconds[0] <= 1.5 * seconds[9], seconds
+    # What the warm-up must have paid (a kernel compiled or tuned for a shape, a graph captured, the
+    # allocator grown) is a one-time cost in some step of the first request: no step of it may be
+    # far longer than its usual one. The host's pace, which drifts by half from one request to the
+    # next on the hosts seen (one whole request's steps 31.5 ms at the median, the next 19.9), is
+    # the looser bound on the whole request.
+    first = steps[0]
+    assert first["longest_ms"] <= max(150.0, 5 * first["step_ms"]), (first, seconds)
+    assert seconds[0] <= 2 * statistics.median(seconds[1:]), seconds
 
 
 def _streams_tok_s(url: str, model: str, streams: int, max_tokens: int = 128) -> float:
