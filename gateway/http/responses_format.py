@@ -19,6 +19,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from gateway.errors import APIError
+from gateway.http.responses_schema import in_responses_terms
 from gateway.http.serving_path import Formatter
 from gateway.serving.outputs import ChoiceOutput, Delta, usage_totals
 from gateway.serving.request_owner import RequestOwner
@@ -82,7 +83,7 @@ class ResponseBuilder(Formatter):
         return b"".join(out)
 
     def stream_error(self, error: APIError) -> bytes:
-        return self.error_event(error.body())
+        return self.error_event(in_responses_terms(error).body())
 
     def body(self, owner: RequestOwner) -> dict[str, Any]:
         output = owner.choices[0].output

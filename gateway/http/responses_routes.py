@@ -8,7 +8,9 @@ and the conversation it ends are kept in the response store (gateway.state) befo
 the last byte, so it can be fetched or continued at once. A stored response belongs to the API key
 that created it: for any other key it is a 404, as a missing one is. While the store cannot answer
 (Redis unreachable, a disk error), a request that stores, fetches, continues or deletes a response
-is a 503 `store_unavailable` (a stored one is refused before it is generated); others go on.
+is a 503 `store_unavailable` (a stored one is refused before it is generated); others go on. Every
+error names this API's fields: one that names the chat request's (a worker's `context_length_exceeded`
+names `messages`) is renamed on its way out, before the stream opens or in its error event.
 """
 
 from __future__ import annotations
@@ -21,10 +23,10 @@ from typing import Any, TypeVar
 from quart import Blueprint, current_app, g, jsonify, request
 from quart_schema import validate_request
 
-from gateway.errors import InvalidRequest, NotFound, ServiceUnavailable
+from gateway.errors import APIError, InvalidRequest, NotFound, ServiceUnavailable
 from gateway.http.current import current_gateway
 from gateway.http.responses_format import ResponseBuilder
-from gateway.http.responses_schema import ResponsesRequest
+from gateway.http.responses_schema import ResponsesRequest, in_responses_terms
 from gateway.http.schemas import ChatMessage
 from gateway.http.serving_path import Generation, serve_generation
 from gateway.reasoning.plan import plan_reasoning
@@ -58,6 +60,13 @@ def _turns(messages: list[ChatMessage]) -> list[dict[str, Any]]:
 @blueprint.post("/v1/responses")
 @validate_request(ResponsesRequest)
 async def responses(data: ResponsesRequest) -> Any:
+    try:
+        return await _respond(data)
+    except APIError as exc:
+        raise in_responses_terms(exc) from None
+
+
+async def _respond(data: ResponsesRequest) -> Any:
     data.refuse_what_is_not_honoured()
     store = response_store()
     keep = (
