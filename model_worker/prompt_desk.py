@@ -52,8 +52,8 @@ class PromptDesk:
                     "model",
                 )
             prompt_ids = self.prompts.ids(msg.prompt, msg.prompt_token_ids, msg.messages, msg.chat)
-            check_job(prompt_ids, msg.params, self.info.max_seq_len, self.info.vocab_size,
-                      self.supported, self.spec.engine)  # fmt: skip
+            check_job(prompt_ids, msg.params, self.info.max_seq_len, self.info.vocab_size, self.supported,
+                      self.spec.engine, "messages" if msg.messages is not None else "prompt")  # fmt: skip
         except RequestRejected as exc:
             return PreparedJob(msg, None, exc)
         return PreparedJob(msg, prompt_ids)

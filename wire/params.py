@@ -119,6 +119,13 @@ class ToolSpec(Struct, frozen=True):
         return {"type": "function", "function": function}
 
 
+# Variables the worker's template renderer sets itself: template_kwargs may not replace them (the
+# gateway refuses them by name at the API edge, the worker when it renders).
+RESERVED_TEMPLATE_VARIABLES = frozenset(
+    {"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"}
+)
+
+
 class ChatOptions(Struct, frozen=True):
     """How the worker renders chat messages: tools for the template and the template's switches."""
 

@@ -88,7 +88,9 @@ def chat_logprobs(entries: list[TokenLogprob]) -> dict[str, Any]:
 def completion_logprobs(
     entries: list[TokenLogprob], start_offset: int, prompt: list[TokenLogprob] | None = None
 ) -> dict[str, Any]:
-    """The completions flavour; with echo, the prompt's entries come first (the first one null)."""
+    """The completions flavour; with echo, the prompt's entries come first (the first one null).
+    A generated token's `top_logprobs` holds the sampled token first, then the top alternatives
+    (logprobs + 1 entries at most, as OpenAI says and vLLM does; logprobs 0: the sampled one)."""
     offsets, position = [], 0
     for entry in prompt or []:
         offsets.append(position)
@@ -102,9 +104,18 @@ def completion_logprobs(
         "tokens": [e.token for e in every],
         "token_logprobs": [e.logprob for e in every],
         # vLLM's shape: null where there is no logprob (the prompt's first token).
-        "top_logprobs": [None if e.logprob is None else {t.token: t.logprob for t in e.top} for e in every],
+        "top_logprobs": [
+            *(None if e.logprob is None else {t.token: t.logprob for t in e.top} for e in prompt or []),
+            *(_with_sampled(e) for e in entries),
+        ],
         "text_offset": offsets,
     }
+
+
+def _with_sampled(entry: TokenLogprob) -> dict[str, float | None]:
+    top: dict[str, float | None] = {entry.token: entry.logprob}
+    top.update((t.token, t.logprob) for t in entry.top if t.token != entry.token)
+    return top
 
 
 def prompt_logprobs_body(entries: list[TokenLogprob]) -> list[dict[str, Any] | None]:

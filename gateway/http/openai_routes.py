@@ -3,18 +3,21 @@
 Runs in the gateway process. Owns turning a validated request (quart-schema validates bodies with
 the pydantic models of gateway.http.schemas) into choice inputs, sampling parameters and a
 formatter for the model that answers; gateway.http.serving_path does the rest (admission, the
-body or the stream, every early end).
+body or the stream, every early end). A worker names what it refuses by the wire's fields (`regex`,
+`response_format` for any constraint, `tokens`); those refusals leave here naming the field the
+client sent instead.
 """
 
 from __future__ import annotations
 
 import uuid
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from quart import Blueprint, jsonify
 from quart_schema import document_response, validate_request
 
-from gateway.errors import InvalidRequest
+from gateway.errors import APIError, InvalidRequest
 from gateway.http.auth import may_use
 from gateway.http.current import current_gateway
 from gateway.http.openai_format import ResponseFormatter
@@ -50,10 +53,14 @@ async def get_model(model_id: str) -> Any:
 @blueprint.post("/v1/chat/completions")
 @validate_request(ChatCompletionRequest)
 async def chat_completions(data: ChatCompletionRequest) -> Any:
+    tool_constraint = False
+
     async def plan_for(route: ModelRoute, model: str) -> Generation:
+        nonlocal tool_constraint
         tools, tool_choice = data.tool_definitions()
         plan = plan_tools(tools, tool_choice, data.parallel_tool_calls, route.config.name,
                           route.config.tool_call_parser)  # fmt: skip
+        tool_constraint = plan.constrained
         options = data.chat_options(plan.tools if plan.active else [])
         messages = [m.to_wire() for m in data.messages]
         check_generation_count(route, 1, data.n)
@@ -68,7 +75,10 @@ async def chat_completions(data: ChatCompletionRequest) -> Any:
         inputs = [ChoiceInput(messages=messages, chat=options)] * data.n
         return Generation(inputs, params, formatter, TextPlan(reasoning=reasoning))
 
-    return await serve_generation(data.model, plan_for, data.stream, data.timeout, trace_context.CHAT)
+    serving = serve_generation(data.model, plan_for, data.stream, data.timeout, trace_context.CHAT)
+    return await _naming_sent_fields(
+        serving, lambda: _constraint_names(data.constraint_field(tool_constraint))
+    )
 
 
 @blueprint.post("/v1/completions")
@@ -99,9 +109,26 @@ async def completions(data: CompletionRequest) -> Any:
         )  # fmt: skip
         return Generation(inputs, params, formatter)
 
-    return await serve_generation(
-        data.model, plan_for, data.stream, data.timeout, trace_context.TEXT_COMPLETION
+    serving = serve_generation(data.model, plan_for, data.stream, data.timeout, trace_context.TEXT_COMPLETION)
+    # `tokens`: the Detokenize for echo refused the token-id prompt.
+    return await _naming_sent_fields(
+        serving, lambda: {**_constraint_names(data.constraint_field(False)), "tokens": "prompt"}
     )
+
+
+async def _naming_sent_fields(serving: Awaitable[Any], renames: Callable[[], dict[str, str]]) -> Any:
+    """`serving`'s answer; a refusal (each comes before a stream opens) that names a wire field in
+    `renames` names the request's field instead."""
+    try:
+        return await serving
+    except APIError as exc:
+        exc.param = renames().get(exc.param or "", exc.param)
+        raise
+
+
+def _constraint_names(field: str) -> dict[str, str]:
+    # A worker names any constraint it cannot enforce `response_format` (exllamav3 a regex `regex`).
+    return {"response_format": field, "regex": field}
 
 
 def check_generation_count(route: ModelRoute, prompts: int, n: int) -> None:

@@ -3,21 +3,32 @@
 Runs in the gateway process. Owns the API edge: every "string or list" shape the OpenAI API
 allows is normalized here, so the rest of the code sees one shape per field. Known extensions
 (vLLM's and TabbyAPI's) are declared fields: honoured, or refused with a 400 naming them
-(gateway.http.extensions normalizes the structured-output ones). Genuinely unknown fields are
-accepted and ignored, as OpenAI clients send vendor extensions freely. Whether lm-format-enforcer
-can enforce a schema is the worker's call (it imports torch, which the gateway never does),
-answered with an `invalid_response_format` rejection.
+(gateway.http.extensions normalizes the structured-output ones); vLLM's that nothing here honours
+are refused by name unless given the value that changes nothing. Genuinely unknown fields are
+accepted and ignored, as OpenAI clients send vendor extensions freely. Nullable fields, free-form
+JSON and the refused vLLM fields follow gateway.http.field_rules. Whether lm-format-enforcer can
+enforce a schema is the worker's call (it imports torch, which the gateway never does), answered
+with an `invalid_response_format` rejection.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    JsonValue,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from gateway.config.models import ModelConfig
 from gateway.errors import InvalidRequest
 from gateway.http.extensions import response_format_constraint, structured_output
+from gateway.http.field_rules import UNSUPPORTED_VLLM, NullIsDefault, PlainObject, Refusal, TemplateKwargs
 from wire import params as wire
 
 MAX_STOP_STRINGS = 16
@@ -43,6 +54,7 @@ class StreamOptions(BaseModel):
 
 class _Request(BaseModel):
     model_config = ConfigDict(extra="allow")
+    refused_extras: ClassVar[dict[str, Refusal]] = UNSUPPORTED_VLLM
 
     model: str = Field(..., min_length=1)
     max_tokens: int | None = Field(None, ge=1, lt=2**31)
@@ -57,14 +69,14 @@ class _Request(BaseModel):
     seed: int | None = Field(None, ge=0, lt=2**63)
     stop: str | list[str] | None = None
     stop_token_ids: list[TokenId] | None = None
-    n: int = Field(1, ge=1, le=MAX_N)
+    n: NullIsDefault[int] = Field(1, ge=1, le=MAX_N)
     best_of: int | None = Field(None, ge=1, le=MAX_N, description="Accepted when equal to n (vLLM).")
-    stream: bool = False
+    stream: NullIsDefault[bool] = False
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
-    ignore_eos: bool = False
-    min_tokens: int = Field(0, ge=0, lt=2**31)
+    ignore_eos: NullIsDefault[bool] = False
+    min_tokens: NullIsDefault[int] = Field(0, ge=0, lt=2**31)
     timeout: float | None = Field(None, gt=0, description="Per-request deadline in seconds (extension).")
     response_format: dict[str, Any] | None = Field(
         None, description="text, json_object or json_schema (on /v1/completions an extension)."
@@ -78,7 +90,7 @@ class _Request(BaseModel):
     json_schema: dict[str, Any] | None = Field(None, description="TabbyAPI's JSON schema constraint.")
     regex_pattern: str | None = Field(None, description="TabbyAPI's regular expression constraint.")
     # Other known extensions.
-    include_stop_str_in_output: bool = False
+    include_stop_str_in_output: NullIsDefault[bool] = False
     banned_strings: str | list[str] | None = Field(None, description="TabbyAPI: strings never generated.")
     bad_words: list[str] | None = Field(None, max_length=MAX_WORD_LISTS)
     allowed_token_ids: list[TokenId] | None = Field(None, min_length=1)
@@ -123,6 +135,10 @@ class _Request(BaseModel):
 
     @model_validator(mode="after")
     def _extension_rules(self) -> _Request:
+        extra = self.model_extra or {}
+        for name, (harmless, reason) in self.refused_extras.items():
+            if extra.get(name) is not None and extra[name] not in harmless:
+                raise InvalidRequest(reason, param=name)
         if self.stream_options is not None and not self.stream:
             raise InvalidRequest("stream_options is only allowed when stream is true", param="stream_options")
         if self.best_of is not None and self.best_of != self.n:
@@ -190,6 +206,16 @@ class _Request(BaseModel):
             bad_words=[w for w in self.bad_words or [] if w],
             allowed_token_ids=list(self.allowed_token_ids or []),
         )
+
+    def constraint_field(self, tool_constraint: bool) -> str:
+        """The field the client gave the output's constraint in (a worker's refusal of the
+        constraint names it): a structured-output field, or `tools` for a tool call's."""
+        if tool_constraint:
+            return "tools"
+        given = [name for name in _STRUCTURED_FIELDS if getattr(self, name) is not None]
+        if len(given) > 1 and self.response_format is not None and self.response_format.get("type") == "text":
+            given.remove("response_format")  # {"type": "text"} asks for nothing
+        return given[0] if given else "response_format"
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
@@ -275,7 +301,7 @@ class FunctionDefinition(BaseModel):
     model_config = ConfigDict(extra="allow")
     name: str = Field(..., min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
     description: str | None = None
-    parameters: dict[str, Any] | None = None
+    parameters: PlainObject | None = None
 
 
 class ToolDefinition(BaseModel):
@@ -297,9 +323,19 @@ _UNSUPPORTED_CHAT = {
 
 
 class ChatCompletionRequest(_Request):
+    refused_extras: ClassVar[dict[str, Refusal]] = {
+        **UNSUPPORTED_VLLM,
+        # The template writes the special tokens (vLLM's chat default is false).
+        "add_special_tokens": (
+            (False,),
+            "add_special_tokens is not supported on chat: the template adds them",
+        ),
+        "documents": ((), "documents is not supported: pass them in chat_template_kwargs"),
+        "include_reasoning": ((True,), "include_reasoning false is not supported"),
+    }
     messages: list[ChatMessage] = Field(..., min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = Field(None, ge=1, lt=2**31)
-    logprobs: bool = False
+    logprobs: NullIsDefault[bool] = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[ToolDefinition] | None = Field(None, max_length=128)
     tool_choice: str | dict[str, Any] | None = None
@@ -307,11 +343,26 @@ class ChatCompletionRequest(_Request):
     functions: list[FunctionDefinition] | None = Field(None, max_length=128, description="Legacy tools.")
     function_call: str | dict[str, Any] | None = Field(None, description="Legacy tool_choice.")
     # The chat template's switches (vLLM).
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: NullIsDefault[bool] = True
+    continue_final_message: NullIsDefault[bool] = False
+    chat_template_kwargs: TemplateKwargs | None = None
     chat_template: str | None = Field(None, description="Refused: the template is the model's (models.yaml).")
-    echo: bool = Field(False, description="Refused when true (vLLM's chat echo).")
+    echo: NullIsDefault[bool] = Field(False, description="Refused when true (vLLM's chat echo).")
+
+    @field_validator("tool_choice", "function_call")
+    @classmethod
+    def _named_function_shape(cls, choice: str | dict[str, Any] | None, info: ValidationInfo) -> Any:
+        if not isinstance(choice, dict):
+            return choice  # none, auto, required: plan_tools judges the words
+        legacy = info.field_name == "function_call"  # {name}, where tool_choice has {type, function: {name}}
+        function = choice if legacy else choice.get("function")
+        if not isinstance(function, dict) or (not legacy and choice.get("type", "function") != "function"):
+            raise ValueError(
+                "a named function is " + ("{name}" if legacy else "{type: function, function: {name}}")
+            )
+        if not isinstance(function.get("name"), str):
+            raise ValueError("the function's name must be a string")
+        return choice
 
     @model_validator(mode="after")
     def _chat_rules(self) -> ChatCompletionRequest:
@@ -369,11 +420,17 @@ class ChatCompletionRequest(_Request):
 
 
 class CompletionRequest(_Request):
+    refused_extras: ClassVar[dict[str, Refusal]] = {
+        **UNSUPPORTED_VLLM,
+        "add_special_tokens": ((True,), "add_special_tokens false is not supported: a text prompt gets the "
+                               "tokenizer's special tokens (send token ids to choose them)"),
+        "prompt_embeds": ((), "prompt_embeds is not supported"),
+    }  # fmt: skip
     prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
     # OpenAI's default for legacy completions; 0 with echo scores the prompt only (lm-eval, vLLM).
     max_tokens: int | None = Field(16, ge=0, lt=2**31)
     logprobs: int | None = Field(None, ge=0, le=5)
-    echo: bool = False
+    echo: NullIsDefault[bool] = False
     suffix: str | None = None
 
     @model_validator(mode="after")

@@ -20,6 +20,7 @@ from quart_schema import validate_request
 from gateway.errors import InvalidRequest, ModelNotFound, ServiceUnavailable
 from gateway.http.auth import may_use
 from gateway.http.current import current_gateway
+from gateway.http.field_rules import TemplateKwargs
 from gateway.http.schemas import ChatMessage, TokenId, ToolDefinition
 from gateway.http.serving_path import serve_exchange
 from gateway.serving.router import ModelRoute
@@ -41,7 +42,7 @@ class TokenizeRequest(BaseModel):
     # With messages, the chat template's switches, as in chat completions (vLLM).
     add_generation_prompt: bool = True
     continue_final_message: bool = False
-    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template_kwargs: TemplateKwargs | None = None
     tools: list[ToolDefinition] | None = None
 
     @model_validator(mode="after")

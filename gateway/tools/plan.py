@@ -140,11 +140,8 @@ def plan_tools(
     specs = tool_specs(tools or [])
     choice = tool_choice if tool_choice is not None else ("auto" if specs else "none")
     if isinstance(choice, dict):
-        name = (
-            (choice.get("function") or {}).get("name")
-            if choice.get("type", "function") == "function"
-            else None
-        )
+        function = choice.get("function") if choice.get("type", "function") == "function" else None
+        name = function.get("name") if isinstance(function, dict) else None
         if not isinstance(name, str):
             raise InvalidRequest("tool_choice must name a function: {type: function, function: {name}}",
                                  param="tool_choice")  # fmt: skip

@@ -32,9 +32,11 @@ def check_job(
     vocab_size: int,
     supported: frozenset[str] = frozenset(),
     engine: str = "this engine",
+    prompt_field: str = "messages",
 ) -> None:
     """RequestRejected unless the job can run on a model with this context and vocabulary, on an
-    engine that supports the optional parameters in `supported`."""
+    engine that supports the optional parameters in `supported`. `prompt_field` is the request
+    field a prompt too long is blamed on (`messages` for chat, `prompt` for completions)."""
     for name, used in OPTIONAL_PARAMETERS.items():
         if used(params) and name not in supported:
             raise RequestRejected(
@@ -48,7 +50,7 @@ def check_job(
             RejectCode.CONTEXT_LENGTH_EXCEEDED,
             f"This model's maximum context length is {max_seq_len} tokens, however you requested "
             f"{count} prompt tokens. Please reduce the length of the messages or prompt.",
-            "messages",
+            prompt_field,
         )
     # An out-of-range id would index past the embedding table: on a GPU, a fault that kills the worker.
     if any(type(t) is not int or not 0 <= t < vocab_size for t in prompt_ids):
@@ -62,9 +64,9 @@ def check_job(
     ):
         if any(not 0 <= t < vocab_size for t in ids):
             raise RequestRejected(RejectCode.INVALID_VALUE, f"{name} must be in [0, {vocab_size}).", name)
-    if params.max_tokens < 0 or (params.max_tokens == 0 and params.prompt_logprobs is None):
-        # max_tokens 0 only scores the prompt; without prompt logprobs it would do nothing at all.
-        raise RequestRejected(RejectCode.INVALID_VALUE, "max_tokens must be at least 1.", "max_tokens")
+    if params.max_tokens < 0:
+        # 0 generates nothing: the prompt's logprobs and token count (echo) are all the job returns.
+        raise RequestRejected(RejectCode.INVALID_VALUE, "max_tokens must not be negative.", "max_tokens")
 
 
 def completion_budget(prompt_tokens: int, params: SamplingParams, max_seq_len: int) -> int:

@@ -114,3 +114,92 @@ def test_unknown_fields_are_ignored(two_model_gateway: GatewayProcess) -> None:
     body = {"model": "demo-small", "prompt": "hi", "max_tokens": 2, "vendor_extension": {"x": 1}}
     response = post(two_model_gateway, "/v1/completions", body)
     assert response.status_code == 200, response.text
+
+
+def post_raw(gateway: GatewayProcess, path: str, text: str) -> httpx.Response:
+    """A body as written: httpx's `json=` refuses NaN, which Python's json (and so Quart) reads."""
+    headers = {"content-type": "application/json"}
+    return httpx.post(gateway.url + path, content=text.encode(), headers=headers, timeout=30)
+
+
+WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+CHAT = {"model": "demo-small", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+
+
+@pytest.mark.parametrize("function", ["get_weather", [1], 7, {"name": 7}])
+def test_a_malformed_named_tool_choice_is_400(two_model_gateway: GatewayProcess, function: object) -> None:
+    body = {**CHAT, "tools": [WEATHER_TOOL], "tool_choice": {"type": "function", "function": function}}
+    assert_error(post(two_model_gateway, "/v1/chat/completions", body), 400, "invalid_request", "tool_choice")
+
+
+def nested(depth: int, leaf: str = "1") -> str:
+    return '{"x": ' * depth + leaf + "}" * depth
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        (f'"tools": [{{"type": "function", "function": {{"name": "f", "parameters": {nested(34)}}}}}]',
+         "tools.0.function.parameters"),
+        ('"tools": [{"type": "function", "function": {"name": "f", "parameters": {"x": NaN}}}]',
+         "tools.0.function.parameters"),
+        ('"functions": [{"name": "f", "parameters": {"x": [Infinity]}}]', "functions.0.parameters"),
+        ('"chat_template_kwargs": {"enable_thinking": NaN}', "chat_template_kwargs"),
+        (f'"chat_template_kwargs": {{"deep": {nested(34)}}}', "chat_template_kwargs"),
+    ],
+)  # fmt: skip
+def test_free_form_fields_too_deep_or_not_finite_are_400(
+    two_model_gateway: GatewayProcess, fields: str, param: str
+) -> None:
+    text = (
+        '{"model": "demo-small", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, '
+        + fields
+        + "}"
+    )
+    assert_error(post_raw(two_model_gateway, "/v1/chat/completions", text), 400, "invalid_request", param)
+
+
+# vLLM's extensions that change the output and that nothing here honours, with a value that does.
+VLLM_REFUSED = [
+    ("truncate_prompt_tokens", 8),
+    ("use_beam_search", True),
+    ("return_tokens_as_token_ids", True),
+    ("length_penalty", 0.5),
+    ("skip_special_tokens", False),
+    ("logits_processors", ["my_module.Processor"]),
+]
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+@pytest.mark.parametrize(("field", "value"), VLLM_REFUSED)
+def test_vllm_extensions_that_would_change_the_output_are_400_naming_them(
+    two_model_gateway: GatewayProcess, path: str, field: str, value: object
+) -> None:
+    base = (
+        CHAT if path == "/v1/chat/completions" else {"model": "demo-small", "prompt": "Hi", "max_tokens": 4}
+    )
+    assert_error(post(two_model_gateway, path, {**base, field: value}), 400, "invalid_request", field)
+    # null, or the value that changes nothing, is what leaving it out means.
+    harmless = {"use_beam_search": False, "length_penalty": 1.0, "skip_special_tokens": True}
+    assert post(two_model_gateway, path, {**base, field: harmless.get(field)}).status_code == 200
+
+
+def test_error_params_name_the_field_the_client_sent(two_model_gateway: GatewayProcess) -> None:
+    too_long = {"model": "demo-small", "prompt": "word " * 4000, "max_tokens": 5}
+    assert_error(
+        post(two_model_gateway, "/v1/completions", too_long), 400, "context_length_exceeded", "prompt"
+    )
+    chat_too_long = {**CHAT, "messages": [{"role": "user", "content": "word " * 4000}]}
+    assert_error(
+        post(two_model_gateway, "/v1/chat/completions", chat_too_long),
+        400,
+        "context_length_exceeded",
+        "messages",
+    )
+    for field in ("guided_regex", "regex_pattern"):
+        bad_regex = {**CHAT, field: "(unclosed"}
+        assert_error(post(two_model_gateway, "/v1/chat/completions", bad_regex), 400, None, field)
+    reserved = {**CHAT, "chat_template_kwargs": {"add_generation_prompt": False}}
+    assert_error(post(two_model_gateway, "/v1/chat/completions", reserved), 400, None, "chat_template_kwargs")
+    out_of_range = {"model": "demo-small", "prompt": [1, 2**30], "max_tokens": 2, "echo": True}
+    assert_error(post(two_model_gateway, "/v1/completions", out_of_range), 400, None, "prompt")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import openai
@@ -110,3 +111,51 @@ def test_seeded_sampling_is_reproducible(client: openai.OpenAI) -> None:
 
     assert sample(7) == sample(7)
     assert sample(7) != sample(8)
+
+
+def test_null_means_the_default_for_nullable_fields(client: openai.OpenAI) -> None:
+    # The SDK sends null for a parameter passed as None; OpenAI reads it as the default.
+    messages: Any = [{"role": "user", "content": "hi"}]
+    chat = client.chat.completions.create(
+        model="demo-small", messages=messages, max_tokens=3, n=None, stream=None, logprobs=None,
+        extra_body={"ignore_eos": None, "min_tokens": None, "add_generation_prompt": None, "echo": None},
+    )  # fmt: skip
+    assert len(chat.choices) == 1 and chat.choices[0].logprobs is None
+    text = client.completions.create(model="demo-small", prompt="hi", max_tokens=3, n=None, stream=None,
+                                     echo=None, logprobs=None)  # fmt: skip
+    assert len(text.choices) == 1 and not text.choices[0].text.startswith("hi")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_zero_max_tokens_with_echo_returns_the_prompt(
+    two_model_gateway: GatewayProcess, client: openai.OpenAI, stream: bool
+) -> None:
+    body = {"model": "demo-small", "prompt": "Once upon a time", "max_tokens": 0, "echo": True,
+            "stream": stream, "stream_options": {"include_usage": True} if stream else None}  # fmt: skip
+    response = httpx.post(two_model_gateway.url + "/v1/completions", json=body, timeout=30)
+    assert response.status_code == 200, response.text
+    if stream:
+        events = [
+            json.loads(e[len("data: ") :]) for e in response.text.split("\n\n") if e.startswith("data: {")
+        ]
+        text = "".join(c["choices"][0]["text"] for c in events if c["choices"])
+        usage = events[-1]["usage"]
+    else:
+        text, usage = response.json()["choices"][0]["text"], response.json()["usage"]
+    assert text == "Once upon a time"
+    assert usage["completion_tokens"] == 0 and usage["prompt_tokens"] > 0
+
+
+@pytest.mark.parametrize("logprobs", [0, 1])
+def test_completion_top_logprobs_hold_the_sampled_token(client: openai.OpenAI, logprobs: int) -> None:
+    # Sampled at temperature 1 from a random model, a token is often not among the top 1.
+    reply = client.completions.create(
+        model="demo-small", prompt="x", max_tokens=12, temperature=1.0, seed=3, logprobs=logprobs
+    )
+    result = reply.choices[0].logprobs
+    assert result is not None and result.tokens and result.top_logprobs and result.token_logprobs
+    for token, logprob, top in zip(result.tokens, result.token_logprobs, result.top_logprobs, strict=True):
+        assert top[token] == logprob
+        assert len(top) <= logprobs + 1
+    if logprobs == 0:
+        assert all(len(top) == 1 for top in result.top_logprobs)

@@ -97,3 +97,8 @@ def test_tokenize_errors(gateway: GatewayProcess) -> None:
     assert both.status_code == 400
     out_of_vocab = post(gateway, "/detokenize", {"model": "m", "tokens": [10**9]})
     assert out_of_vocab.status_code == 400 and out_of_vocab.json()["error"]["code"] == "invalid_tokens"
+    deep: dict[str, object] = {"x": 1}
+    for _ in range(40):  # past the wire's 32 levels of free-form JSON, within the body's 64
+        deep = {"x": deep}
+    too_deep = post(gateway, "/tokenize", {"model": "m", "messages": MESSAGES, "chat_template_kwargs": deep})
+    assert too_deep.status_code == 400 and too_deep.json()["error"]["param"] == "chat_template_kwargs"

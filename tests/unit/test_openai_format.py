@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from gateway.http.openai_format import SSE_DONE, ResponseFormatter, sse_error
+from gateway.http.openai_format import SSE_DONE, ResponseFormatter, completion_logprobs, sse_error
 from gateway.serving.choice import Choice
 from gateway.serving.outputs import ChoiceInput
 from wire.params import SamplingParams
@@ -76,6 +76,16 @@ def test_completions_echo_once_per_choice_and_offsets_follow_the_text() -> None:
     assert offsets == [[5], [8], [8]]  # after the echo, then after "Hel"
     assert chunks[1]["choices"][0]["logprobs"]["top_logprobs"] == [{"": -2.0, "x": -3.0}]
     assert chunks[2]["choices"][0]["finish_reason"] == "stop" and chunks[0]["object"] == "text_completion"
+
+
+def test_completion_top_logprobs_put_the_sampled_token_first_even_outside_the_top() -> None:
+    prompt = [TokenLogprob("A", 1, None, []), entry("B", 2, -4.0, ("C", 3, -0.1))]
+    sampled = [entry("x", 5, -3.0, ("y", 6, -0.2)), entry("y", 6, -0.2, ("y", 6, -0.2)), entry("z", 7, -1.0)]
+    body = completion_logprobs(sampled, 2, prompt)
+    # The prompt's entries as scored (vLLM's prompt logprobs), then each sampled token with its top
+    # alternatives: logprobs + 1 entries at most; logprobs 0 leaves the sampled token alone.
+    assert body["top_logprobs"] == [None, {"C": -0.1}, {"x": -3.0, "y": -0.2}, {"y": -0.2}, {"z": -1.0}]
+    assert list(body["top_logprobs"][2]) == ["x", "y"]
 
 
 @pytest.mark.parametrize("chat", [True, False])

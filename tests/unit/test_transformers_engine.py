@@ -224,6 +224,9 @@ def test_shared_job_checks() -> None:
     assert too_long.value.param == "messages"
     assert f"maximum context length is {MAX_SEQ_LEN} tokens" in too_long.value.message
     assert f"{MAX_SEQ_LEN} prompt tokens" in too_long.value.message
+    with pytest.raises(RequestRejected) as too_long_text:  # a completion's prompt is its `prompt`
+        check_job([5] * MAX_SEQ_LEN, SamplingParams(), MAX_SEQ_LEN, vocab, prompt_field="prompt")
+    assert too_long_text.value.param == "prompt"
 
     for bad in ([], [1, 2, 10**6], [-1]):
         with pytest.raises(RequestRejected) as invalid:
@@ -231,11 +234,12 @@ def test_shared_job_checks() -> None:
         assert invalid.value.code is RejectCode.INVALID_PROMPT
     for params, name in ((SamplingParams(logit_bias={vocab: 1.0}), "logit_bias"),
                          (SamplingParams(stop_token_ids=[vocab]), "stop_token_ids"),
-                         (SamplingParams(max_tokens=0), "max_tokens")):  # fmt: skip
+                         (SamplingParams(max_tokens=-1), "max_tokens")):  # fmt: skip
         with pytest.raises(RequestRejected) as rejected:
             check_job([1, 2], params, MAX_SEQ_LEN, vocab)
         assert rejected.value.code is RejectCode.INVALID_VALUE and rejected.value.param == name
     check_job([1, vocab - 1], SamplingParams(logit_bias={0: 1.0}), MAX_SEQ_LEN, vocab)
+    check_job([1, 2], SamplingParams(max_tokens=0), MAX_SEQ_LEN, vocab)  # echo only: nothing generated
 
 
 def test_logprobs_shape(engine: TransformersEngine) -> None:
