@@ -15,10 +15,10 @@ from typing import Any
 
 import jinja2
 import jinja2.meta
+from jinja2 import nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-# Variables a request's chat_template_kwargs may not replace: the renderer sets them itself.
-RESERVED_VARIABLES = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"})
+from wire.params import RESERVED_TEMPLATE_VARIABLES  # what chat_template_kwargs may not replace
 
 
 class TemplateError(ValueError):
@@ -52,8 +52,14 @@ class ChatTemplate:
         self.source = source
         self.bos_token = bos_token
         self.eos_token = eos_token
+        parsed = env.parse(source)
         # A template that never reads `tools` would drop them silently: such a model cannot take tools.
-        self.supports_tools = "tools" in jinja2.meta.find_undeclared_variables(env.parse(source))
+        self.supports_tools = "tools" in jinja2.meta.find_undeclared_variables(parsed)
+        # Nor can one that never reads a message's `tool_calls` take a history holding calls: it would
+        # drop them and show the model results of calls it never made.
+        self.renders_tool_calls = any(
+            _names_tool_calls(node) for node in parsed.find_all((nodes.Getattr, nodes.Getitem))
+        )
 
     def render(
         self,
@@ -65,7 +71,7 @@ class ChatTemplate:
     ) -> str:
         """The prompt text. `continue_final_message` leaves the last message open for the model to
         go on with (Hugging Face's semantics: the text is cut right after that message's content)."""
-        reserved = RESERVED_VARIABLES & set(extra or {})
+        reserved = RESERVED_TEMPLATE_VARIABLES & set(extra or {})
         if reserved:
             raise TemplateError(f"chat_template_kwargs may not set {sorted(reserved)}")
         try:
@@ -109,3 +115,11 @@ class ChatTemplate:
         if not source:
             return None
         return cls(source, _token_text(config.get("bos_token")), _token_text(config.get("eos_token")))
+
+
+def _names_tool_calls(node: nodes.Node) -> bool:
+    """`message.tool_calls` or `message['tool_calls']`."""
+    if isinstance(node, nodes.Getattr):
+        return bool(node.attr == "tool_calls")
+    item = node.arg if isinstance(node, nodes.Getitem) else None
+    return isinstance(item, nodes.Const) and item.value == "tool_calls"

@@ -51,6 +51,15 @@ class PromptBuilder:
                 f"the chat template of model '{self.model_name}' cannot render tools",
                 "tools",
             )
+        if not template.renders_tool_calls:
+            for index, message in enumerate(messages):
+                if message.tool_calls:
+                    raise RequestRejected(
+                        RejectCode.UNSUPPORTED_PARAMETER,
+                        f"the chat template of model '{self.model_name}' cannot render the tool calls of "
+                        f"messages.{index}",
+                        f"messages.{index}.tool_calls",
+                    )
         try:
             text = template.render(
                 [m.for_template() for m in messages],

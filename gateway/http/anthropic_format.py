@@ -110,7 +110,7 @@ class MessagesFormatter(Formatter):
         if self.tools is not None:
             parsed = self.tools.read_final(output.text, cut=output.finish_reason is FinishReason.LENGTH)
             text, calls = parsed.content or "", parsed.calls
-        if text or not (calls or content):
+        if text:  # an empty answer has no blocks (content: []), as Anthropic's and the stream's
             content.append({"type": "text", "text": text})
         for call in calls:
             content.append({"type": "tool_use", "id": tool_use_id(), "name": call.name,

@@ -6,9 +6,11 @@ a string or blocks (`text`, `tool_use` from the assistant, `tool_result` from th
 `thinking` blocks are dropped, as reasoning models' templates drop earlier reasoning), `tools` with
 an `input_schema`, `tool_choice` auto / any / tool / none, `stop_sequences`, `max_tokens`,
 `temperature` / `top_p` / `top_k`, `metadata`, and `output_config.format` (a JSON schema). A
-conversation that ends with an assistant turn is continued (Anthropic's prefill). The request
-becomes a `ChatCompletionRequest`, so sampling defaults, tool plans and constraints are the chat
-route's own. Every other field, and every block type that cannot be honoured, is a 400 naming it.
+conversation that ends with an assistant turn is continued (Anthropic's prefill), unless that turn
+is empty. The request becomes a `ChatCompletionRequest`, so sampling defaults, tool plans and
+constraints are the chat route's own. Every other field, a value of the wrong JSON type, and every
+block type that cannot be honoured, is a 400 naming it; so are Anthropic's own refusals of a
+conversation (empty turns, a `tool_result` that answers no `tool_use` of the turn before).
 """
 
 from __future__ import annotations
@@ -33,6 +35,16 @@ from gateway.http.schemas import (
 _IGNORED_BLOCK_KEYS = frozenset({"cache_control"})
 # The chat request's fields, by the names this API gives them (for validation errors).
 _CHAT_TO_MESSAGES = {"response_format": "output_config", "tool_choice": "tool_choice", "tools": "tools"}
+# Anthropic's wording for the conversations it refuses.
+_EMPTY_TURN = "all messages must have non-empty content except for the optional final assistant message"
+_STRAY_RESULT = (
+    "unexpected `tool_use_id` found in `tool_result` blocks: {}. Each `tool_result` block must have a "
+    "corresponding `tool_use` block in the previous message."
+)
+_UNANSWERED_CALL = (
+    "`tool_use` ids were found without `tool_result` blocks immediately after: {}. Each `tool_use` "
+    "block must have a corresponding `tool_result` block in the next message."
+)
 
 
 def _refuse(param: str, message: str) -> InvalidRequest:
@@ -40,7 +52,7 @@ def _refuse(param: str, message: str) -> InvalidRequest:
 
 
 class AnthropicMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     role: Literal["user", "assistant"]
     content: str | list[dict[str, Any]]
 
@@ -48,7 +60,9 @@ class AnthropicMessage(BaseModel):
 class MessagesRequest(BaseModel):
     """POST /v1/messages."""
 
-    model_config = ConfigDict(extra="allow")  # unknown fields are refused by name below
+    # Unknown fields are refused by name below. Strict: Anthropic refuses `"max_tokens": true` or
+    # `"stream": "true"` rather than reading them as 1 and True (an int still fits a float field).
+    model_config = ConfigDict(extra="allow", strict=True)
 
     model: str = Field(..., min_length=1)
     messages: list[AnthropicMessage] = Field(..., min_length=1, max_length=MAX_MESSAGES)
@@ -100,18 +114,36 @@ class MessagesRequest(BaseModel):
     # ---- translation -------------------------------------------------------------------------
 
     def chat_messages(self) -> list[ChatMessage]:
+        """The conversation as chat messages. An empty final assistant turn is left out (it asks
+        for no prefill); any other empty turn is refused, as Anthropic does."""
         messages = []
         if self.system:
             system = self.system if isinstance(self.system, str) else _texts(self.system, "system")
             messages.append(ChatMessage(role="system", content=system))
+        last = len(self.messages) - 1
+        calls_before: set[str] = set()  # the tool_use ids of the turn before, which results answer
         for index, message in enumerate(self.messages):
             where = f"messages[{index}].content"
+            final_assistant = index == last and message.role == "assistant"
+            if not message.content and not final_assistant:
+                raise _refuse("messages", f"messages[{index}]: {_EMPTY_TURN}")
             if isinstance(message.content, str):
-                messages.append(ChatMessage(role=message.role, content=message.content))
+                turn = [ChatMessage(role=message.role, content=message.content)]
             elif message.role == "user":
-                messages.extend(_user_turn(message.content, where))
+                turn = _user_turn(message.content, where, calls_before)
             else:
-                messages.append(_assistant_turn(message.content, where))
+                turn = [_assistant_turn(message.content, where)]
+            calls_before = {c.id for c in turn[-1].tool_calls or [] if c.id}
+            if final_assistant:
+                prefill = turn[-1].content
+                if turn[-1].tool_calls:  # a prefill cannot go on after a call: its result comes first
+                    ids = ", ".join(c.id for c in turn[-1].tool_calls)
+                    raise _refuse("messages", f"messages[{index}]: " + _UNANSWERED_CALL.format(ids))
+                if not prefill:
+                    continue  # nothing to continue: no prefill (thinking blocks alone are not rendered)
+                if isinstance(prefill, str) and prefill != prefill.rstrip():
+                    raise _refuse("messages", "final assistant content cannot end with trailing whitespace")
+            messages.extend(turn)
         return messages
 
     def tool_definitions(self) -> tuple[list[dict[str, Any]] | None, Any, bool | None]:
@@ -126,11 +158,10 @@ class MessagesRequest(BaseModel):
         unknown = set(choice) - {"type", "name", "disable_parallel_tool_use"}
         if unknown:
             raise _refuse("tool_choice", f"tool_choice.{sorted(unknown)[0]} is not supported")
-        parallel = (
-            None
-            if choice.get("disable_parallel_tool_use") is None
-            else not choice["disable_parallel_tool_use"]
-        )
+        disable_parallel = choice.get("disable_parallel_tool_use")
+        if disable_parallel is not None and not isinstance(disable_parallel, bool):
+            raise _refuse("tool_choice", "tool_choice.disable_parallel_tool_use must be a boolean")
+        parallel = None if disable_parallel is None else not disable_parallel
         if kind == "tool":
             if not isinstance(choice.get("name"), str):
                 raise _refuse("tool_choice", "tool_choice of type tool needs the tool's name")
@@ -161,7 +192,7 @@ class MessagesRequest(BaseModel):
         """The chat request this one is; its validation errors name this request's fields."""
         messages = self.chat_messages()
         tools, tool_choice, parallel = self.tool_definitions()
-        prefill = self.messages[-1].role == "assistant"  # continue the assistant's turn
+        prefill = bool(messages) and messages[-1].role == "assistant"  # continue the assistant's turn
         try:
             return ChatCompletionRequest(
                 model=self.model,
@@ -245,8 +276,9 @@ def _texts(blocks: list[dict[str, Any]], where: str, first: int = 0) -> str:
     return "\n".join(parts) if where == "system" else "".join(parts)
 
 
-def _user_turn(blocks: list[dict[str, Any]], where: str) -> list[ChatMessage]:
-    """Tool results become tool messages (they come first in a user turn); the text, one user message."""
+def _user_turn(blocks: list[dict[str, Any]], where: str, calls_before: set[str]) -> list[ChatMessage]:
+    """Tool results become tool messages (they come first in a user turn); the text, one user message.
+    Each result answers one of `calls_before`, the tool_use ids of the assistant turn before."""
     results, texts = [], []
     for index, block in enumerate(blocks):
         at = f"{where}[{index}]"
@@ -255,6 +287,10 @@ def _user_turn(blocks: list[dict[str, Any]], where: str) -> list[ChatMessage]:
             _check_keys(block, {"type", "tool_use_id", "content", "is_error"}, at)
             if not isinstance(block.get("tool_use_id"), str):
                 raise _refuse("messages", f"{at}.tool_use_id is required")
+            if block["tool_use_id"] not in calls_before:
+                raise _refuse("messages", f"{at}: " + _STRAY_RESULT.format(block["tool_use_id"]))
+            if not isinstance(block.get("is_error", False), bool):
+                raise _refuse("messages", f"{at}.is_error must be a boolean")
             content = block.get("content", "")
             text = content if isinstance(content, str) else _texts(content, f"{at}.content")
             if block.get("is_error"):

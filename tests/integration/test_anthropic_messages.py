@@ -1,7 +1,8 @@
 """Anthropic's Messages API through the official `anthropic` SDK, unmodified, on a real CPU worker.
 
 One gateway with an API key (GATEWAY_API_KEYS), so the SDK's `x-api-key` header is what lets it
-in; one model on the random-weight demo folder with the hermes tool-call parser. Random weights
+in; one model on the random-weight demo folder with the hermes tool-call parser, and the same
+folder again under a plain ChatML template that never reads tools (as SmolLM2's). Random weights
 never call a tool on their own, so the tool-use round trip forces the call the way Anthropic's
 own API allows: tool_choice `tool` (a named tool) or `any`, which the gateway turns into
 constrained decoding to the tool's input schema.
@@ -33,13 +34,29 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 # This SDK no longer has sampling parameters (Anthropic's newest models take none); the gateway
 # still honours them, and greedy decoding makes two requests comparable.
 GREEDY = {"temperature": 0}
+# ChatML that renders only role and content: tool calls in a history would vanish from the prompt.
+PLAIN_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] "
+    "+ '<|im_end|>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+CALL = {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}}
+TOOL_HISTORY = [
+    *ASK,
+    {"role": "assistant", "content": [CALL]},
+    {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "sunny"}]},
+]
+EMPTY_CONTENT = "all messages must have non-empty content except for the optional final assistant message"
 
 
 @pytest.fixture(scope="module")
 def gateway(tmp_path_factory: pytest.TempPathFactory, demo_model_dir: Path) -> Iterator[GatewayProcess]:
     config = write_registry(
         tmp_path_factory.mktemp("anthropic") / "models.yaml",
-        [demo_entry("m", demo_model_dir, tool_call_parser="hermes")],
+        [
+            demo_entry("m", demo_model_dir, tool_call_parser="hermes"),
+            demo_entry("plain", demo_model_dir, chat_template=PLAIN_TEMPLATE),
+        ],  # fmt: skip
     )
     with GatewayProcess(config, env={"GATEWAY_API_KEYS": KEY, "GATEWAY_ADMIN_KEYS": ""}) as gw:
         yield gw
@@ -209,3 +226,135 @@ def test_errors_have_anthropics_shape_and_name_the_field(
     bearer = httpx.post(url, json={"model": "m", "max_tokens": 2, "messages": ASK},
                         headers={"Authorization": f"Bearer {KEY}"})  # fmt: skip
     assert bearer.status_code == 200 and bearer.json()["type"] == "message"
+
+
+def _refusal(gateway: GatewayProcess, path: str, body: dict[str, object]) -> str:
+    """The message of the 400 that `body` gets on `path`, checked to be in Anthropic's shape."""
+    response = httpx.post(gateway.url + path, json=body, headers={"x-api-key": KEY})
+    assert response.status_code == 400, response.text
+    assert response.json()["type"] == "error" and response.json()["error"]["type"] == "invalid_request_error"
+    message: str = response.json()["error"]["message"]
+    return message
+
+
+def test_an_empty_final_assistant_message_is_no_prefill(client: anthropic.Anthropic) -> None:
+    plain = client.messages.create(model="m", max_tokens=4, messages=ASK, extra_body=GREEDY)
+    counted = client.messages.count_tokens(model="m", messages=ASK).input_tokens
+    for empty in ("", []):
+        ask = [*ASK, {"role": "assistant", "content": empty}]
+        reply = client.messages.create(model="m", max_tokens=4, messages=ask, extra_body=GREEDY)  # type: ignore[arg-type]
+        assert reply.content == plain.content and reply.stop_reason == plain.stop_reason
+        assert client.messages.count_tokens(model="m", messages=ask).input_tokens == counted  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "messages",
+    [[{"role": "user", "content": ""}], [{"role": "user", "content": []}],
+     [*ASK, {"role": "assistant", "content": ""}, {"role": "user", "content": "Go on."}],
+     [*ASK, {"role": "assistant", "content": "Sunny."}, {"role": "user", "content": []}]],
+)  # fmt: skip
+def test_empty_content_is_refused_but_on_the_final_assistant_message(
+    gateway: GatewayProcess, messages: list[dict[str, object]]
+) -> None:
+    body = {"model": "m", "max_tokens": 4, "messages": messages}
+    for path in ("/v1/messages", "/v1/messages/count_tokens"):
+        assert EMPTY_CONTENT in _refusal(gateway, path, body)
+
+
+def test_a_prefill_neither_follows_a_call_nor_ends_in_whitespace(gateway: GatewayProcess) -> None:
+    # Where the worker would say "continue_final_message needs ...", Anthropic's own refusals.
+    body = {"model": "m", "max_tokens": 4, "messages": TOOL_HISTORY[:2]}
+    assert "`tool_use` ids were found without `tool_result` blocks immediately after: toolu_1" in _refusal(
+        gateway, "/v1/messages", body
+    )
+    body["messages"] = [*ASK, {"role": "assistant", "content": "The weather is "}]
+    assert "final assistant content cannot end with trailing whitespace" in _refusal(
+        gateway, "/v1/messages/count_tokens", body
+    )
+
+
+@pytest.mark.parametrize(
+    "messages",
+    [[{"role": "user", "content": TOOL_HISTORY[2]["content"]}],  # no assistant turn before it
+     [*TOOL_HISTORY[:2], {"role": "user", "content": [
+         {"type": "tool_result", "tool_use_id": "toolu_2", "content": "sunny"}]}],
+     [*TOOL_HISTORY, {"role": "assistant", "content": "Sunny."}, TOOL_HISTORY[2]]],  # not the previous one
+)  # fmt: skip
+def test_a_tool_result_answers_a_tool_use_of_the_previous_message(
+    gateway: GatewayProcess, messages: list[dict[str, object]]
+) -> None:
+    body = {"model": "m", "max_tokens": 4, "messages": messages}
+    for path in ("/v1/messages", "/v1/messages/count_tokens"):
+        message = _refusal(gateway, path, body)
+        assert "unexpected `tool_use_id` found in `tool_result` blocks: toolu_" in message
+        assert "must have a corresponding `tool_use` block in the previous message" in message
+
+
+def test_tool_blocks_need_a_template_that_renders_them(
+    client: anthropic.Anthropic, gateway: GatewayProcess
+) -> None:
+    # The template that reads tools takes the history; the plain one would drop the call: a 400, on
+    # the chat API as well.
+    assert client.messages.count_tokens(model="m", messages=TOOL_HISTORY).input_tokens > 0  # type: ignore[arg-type]
+    assert client.messages.count_tokens(model="plain", messages=ASK).input_tokens > 0
+    for ask in (
+        lambda: client.messages.create(model="plain", max_tokens=4, messages=TOOL_HISTORY),  # type: ignore[arg-type]
+        lambda: client.messages.count_tokens(model="plain", messages=TOOL_HISTORY),  # type: ignore[arg-type]
+        lambda: client.messages.count_tokens(model="plain", messages=[*TOOL_HISTORY[:2], *ASK]),  # type: ignore[arg-type]
+    ):
+        with pytest.raises(anthropic.BadRequestError, match="cannot render the tool calls of messages.1"):
+            ask()
+    called = {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
+        ],
+    }
+    chat = {
+        "model": "plain",
+        "max_tokens": 2,
+        "messages": [
+            {"role": "user", "content": "Weather?"},
+            called,
+            {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+        ],
+    }
+    reply = httpx.post(
+        gateway.url + "/v1/chat/completions", json=chat, headers={"x-api-key": KEY}, timeout=30
+    )
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "messages.1.tool_calls", reply.text
+
+
+def test_an_empty_answer_has_no_content_blocks(client: anthropic.Anthropic) -> None:
+    free = client.messages.create(model="m", max_tokens=8, messages=ASK, extra_body=GREEDY)
+    stop = free.content[0].text[:2]  # type: ignore[union-attr]
+    kwargs = dict(model="m", max_tokens=8, messages=ASK, extra_body=GREEDY, stop_sequences=[stop])
+    whole = client.messages.create(**kwargs)  # type: ignore[call-overload]
+    assert whole.stop_reason == "stop_sequence" and whole.content == []
+    with client.messages.stream(**kwargs) as stream:  # type: ignore[arg-type]
+        final = stream.get_final_message()
+    assert final.stop_reason == "stop_sequence" and final.content == []
+
+
+STRAY_TYPES = [
+    ("/v1/messages", {"max_tokens": True}, "max_tokens"),
+    ("/v1/messages", {"max_tokens": 4.0}, "max_tokens"),
+    ("/v1/messages", {"temperature": True}, "temperature"),
+    ("/v1/messages", {"stream": "true"}, "stream"),
+    ("/v1/messages", {"top_k": "2"}, "top_k"),
+    ("/v1/messages/count_tokens", {"max_tokens": True}, "max_tokens"),
+    ("/v1/messages", {"tools": [WEATHER], "tool_choice": {"type": "any", "disable_parallel_tool_use": 1}},
+     "disable_parallel_tool_use"),
+    ("/v1/messages", {"messages": [*TOOL_HISTORY[:2], {"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "toolu_1", "content": "sunny", "is_error": "false"}]}]},
+     "is_error"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("path", "extra", "field"), STRAY_TYPES)
+def test_a_value_of_the_wrong_type_is_refused(
+    gateway: GatewayProcess, path: str, extra: dict[str, object], field: str
+) -> None:
+    body = {"model": "m", "max_tokens": 4, "messages": ASK, **extra}
+    assert field in _refusal(gateway, path, body)

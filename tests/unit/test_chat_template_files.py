@@ -41,3 +41,13 @@ def test_the_file_wins_over_the_config_entry_and_the_registry_over_both(tmp_path
 
 def test_a_folder_without_any_template_has_none(tmp_path: Path) -> None:
     assert ChatTemplate.for_model(_folder(tmp_path, None, None)) is None
+
+
+def test_a_template_renders_tool_calls_only_where_it_reads_them() -> None:
+    plain = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+    by_attribute = "{% for m in messages %}{{ m.content }}{% for c in m.tool_calls or [] %}{{ c }}{% endfor %}{% endfor %}"  # noqa: E501
+    by_item = "{% for m in messages %}{% if m['tool_calls'] is defined %}{{ m['tool_calls'] | tojson }}{% endif %}{% endfor %}"  # noqa: E501
+    assert not ChatTemplate(plain).renders_tool_calls
+    assert ChatTemplate(by_attribute).renders_tool_calls and ChatTemplate(by_item).renders_tool_calls
+    repository = Path(__file__).resolve().parents[2] / "config" / "templates" / "smollm2-tools.jinja"
+    assert ChatTemplate(repository.read_text()).renders_tool_calls
