@@ -40,6 +40,7 @@ from tests.cluster_ha import (
     WORKER_QUEUE,
     EtcdMembership,
     HaCluster,
+    Worker,
     direct_completion,
 )
 from tests.cluster_ha_load import FAILED, FINISHED, LOST, CaseReport, Load, Record
@@ -154,22 +155,61 @@ def test_redis_killed_and_back(cluster: HaCluster) -> None:
     assert not report.of(FAILED), report  # Redis's outage costs no request
 
 
+# The premise of the case below is a race it cannot rule out: a running job may end, and the waiting
+# one start, between the report that shows it waiting and the cut. An attempt that moved no job
+# missed the premise (nothing of the gateways was tested), and the case cuts again, this often.
+CUT_ATTEMPTS = 3
+MOVED_LINE = "failed before starting a job; trying another"  # the gateway's line
+
+
 def test_a_worker_host_cut_off(cluster: HaCluster) -> None:
     cluster.heal()
     victim = cluster.workers[0]
     gateways = list(cluster.gateways.values())
-    let_go = {name: len(cluster.gone_lines(victim, name)) for name in GATEWAYS}
+    missed: list[CaseReport] = []
+    for attempt in range(1, CUT_ATTEMPTS + 1):
+        let_go = {name: len(cluster.gone_lines(victim, name)) for name in GATEWAYS}
+        report = cut_while_a_job_waits(cluster, victim, f"worker host cut off {attempt}")
+        ours = {r.rid: r for r in report.records}
+        moved = [ours[rid] for rid in cluster.request_ids_logged(MOVED_LINE) if rid in ours]
+        cluster.wait_whole()  # the cable back in: every gateway has both replicas again
+        if moved:
+            break
+        print(f"attempt {attempt}: the waiting job started before the cut; nothing was moved")
+        missed.append(report)
+    else:
+        pytest.fail(f"no job was moved off the cut worker in {CUT_ATTEMPTS} attempts: {missed}")
+
+    def full(record: Record) -> bool:  # one replica left: two gateways may race for its last slot
+        return record.status == 429 and "worker_full" in record.detail
+
+    # The ones it had not started went to the other replica, and finished there.
+    assert any(r.outcome == FINISHED for r in moved), report
+    # A moved one that the other replica had refused as full too ends with its last failure.
+    assert all(r.outcome == FINISHED or full(r) or "lost contact" in r.detail for r in moved), report
+    lost_contact = [r for r in report.of(FAILED) if "lost contact" in r.detail]
+    assert lost_contact, report  # the ones it was running ended with an error event
+    assert all(r in lost_contact or full(r) for r in report.of(FAILED)), report
+    # The victim let every gateway go while it heard nothing from them (their jobs cancelled), ...
+    assert all(len(cluster.gone_lines(victim, name)) > n for name, n in let_go.items()), let_go
+    settled_workers(gateways[0])  # ... and nothing runs on anywhere.
+
+
+def cut_while_a_job_waits(cluster: HaCluster, victim: Worker, case: str) -> CaseReport:
+    """Cut the victim's host just after it reported a job waiting, under a steady load, until every
+    gateway has lost it and the load goes on on the other replica; then mend it."""
+    gateways = list(cluster.gateways.values())
     # More clients than one worker's slots, fewer than both's: the victim soon holds a job it has
     # not started (Accepted never came back), and when the gateways see it lost (a heartbeat
     # timeout) and move that job, the other replica has a slot left for it, since the clients
     # whose jobs were on the victim are still waiting. With more clients than both workers' slots
     # the other replica could be full at that moment, and then every moved job ended worker_full.
-    load = steady_load(cluster, "worker host cut off", MAX_JOBS + WORKER_QUEUE + 2)
+    load = steady_load(cluster, case, MAX_JOBS + WORKER_QUEUE + 2)
     heartbeats: dict[str, int] = {}
 
     def just_reported_a_waiting_job() -> bool:
-        # Seen in a heartbeat that arrived since the last look (one every 0.2 s), so the job has
-        # most likely not started yet when the cable is pulled: an older report can be stale.
+        # Seen in a report that arrived since the last look, so the job has most likely not
+        # started yet when the cable is pulled: an older report can be stale.
         for gateway in gateways:
             row = next(w for w in gateway.workers() if w["id"] == victim.worker_id)
             fresh = heartbeats.get(gateway.url, row["heartbeats"]) != row["heartbeats"]
@@ -190,24 +230,7 @@ def test_a_worker_host_cut_off(cluster: HaCluster) -> None:
     finally:
         report = reported(load.stop())
         victim.host.mend()
-
-    def full(record: Record) -> bool:  # one replica left: two gateways may race for its last slot
-        return record.status == 429 and "worker_full" in record.detail
-
-    ours = {r.rid: r for r in report.records}
-    moved = [ours[rid] for rid in cluster.request_ids_logged("failed before starting a job; trying another")
-             if rid in ours]  # fmt: skip
-    # The ones it had not started went to the other replica, and finished there.
-    assert any(r.outcome == FINISHED for r in moved), report
-    # A moved one that the other replica had refused as full too ends with its last failure.
-    assert all(r.outcome == FINISHED or full(r) or "lost contact" in r.detail for r in moved), report
-    lost_contact = [r for r in report.of(FAILED) if "lost contact" in r.detail]
-    assert lost_contact, report  # the ones it was running ended with an error event
-    assert all(r in lost_contact or full(r) for r in report.of(FAILED)), report
-    cluster.wait_whole()  # the cable back in: every gateway has both replicas again
-    # The victim let every gateway go while it heard nothing from them (their jobs cancelled), ...
-    assert all(len(cluster.gone_lines(victim, name)) > n for name, n in let_go.items()), let_go
-    settled_workers(gateways[0])  # ... and nothing runs on anywhere.
+    return report
 
 
 def test_etcd_killed_and_back(cluster: HaCluster) -> None:
