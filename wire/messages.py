@@ -33,7 +33,9 @@ from wire.trace_context import TraceParent
 # standby period in Status (`epoch`) and the worker's idle time in its load (`idle_s`).
 # 8: Generate says how many requests its gateway is still admitting behind it (`following`): a
 # version 7 worker would refuse every Generate of version 8.
-PROTOCOL_VERSION = 8
+# 9: logprob entries carry the bytes of a token that is part of a character (`raw`): a version 8
+# gateway would refuse every such Step.
+PROTOCOL_VERSION = 9
 
 # ---- gateway -> worker -------------------------------------------------------------------------
 

@@ -61,9 +61,13 @@ class Usage(Struct, frozen=True):
 
 
 class TopLogprob(Struct, frozen=True):
+    """`raw` holds the token's bytes only when they are not its text's UTF-8: part of a character,
+    whose text is U+FFFD (model_worker.engines.token_bytes)."""
+
     token: str
     token_id: int
     logprob: Finite
+    raw: bytes | None = None
 
 
 class TokenLogprob(Struct, frozen=True):
@@ -71,6 +75,7 @@ class TokenLogprob(Struct, frozen=True):
 
     `logprob` is None only for a prompt's first token, which has no context to be scored in.
     `rank` (1 = the most likely token) is set for prompt tokens, as vLLM's prompt_logprobs report it.
+    `raw` as in TopLogprob.
     """
 
     token: str
@@ -78,6 +83,7 @@ class TokenLogprob(Struct, frozen=True):
     logprob: Finite | None
     top: list[TopLogprob]
     rank: int | None = None
+    raw: bytes | None = None
 
 
 class JobOutput(Struct, frozen=True):

@@ -26,7 +26,7 @@ from gateway.http.serving_path import Formatter
 from gateway.serving.outputs import ChoiceOutput, Delta, usage_totals
 from gateway.tools.plan import ToolPlan
 from gateway.tools.stream import ToolCallStream
-from wire.results import FinishReason, TokenLogprob
+from wire.results import FinishReason, TokenLogprob, TopLogprob
 
 if TYPE_CHECKING:
     from gateway.serving.choice import Choice
@@ -74,15 +74,14 @@ def usage_body(choices: list[ChoiceOutput], reasoning: bool = False) -> dict[str
 
 
 def chat_logprobs(entries: list[TokenLogprob]) -> dict[str, Any]:
-    def token(text: str, logprob: float | None) -> dict[str, Any]:
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+    """`bytes` are the token's own: its text's UTF-8, or, for a token that is part of a character
+    (its text U+FFFD), the bytes the worker read from the vocabulary."""
 
-    return {
-        "content": [
-            {**token(e.token, e.logprob), "top_logprobs": [token(t.token, t.logprob) for t in e.top]}
-            for e in entries
-        ]
-    }
+    def token(entry: TokenLogprob | TopLogprob) -> dict[str, Any]:
+        raw = entry.raw if entry.raw is not None else entry.token.encode()
+        return {"token": entry.token, "logprob": entry.logprob, "bytes": list(raw)}
+
+    return {"content": [{**token(e), "top_logprobs": [token(t) for t in e.top]} for e in entries]}
 
 
 def completion_logprobs(

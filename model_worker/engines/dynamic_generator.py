@@ -18,7 +18,8 @@ from model_worker.devices import gpu_memory_used_bytes
 from model_worker.engines.base import RequestRejected, TextCodec
 from model_worker.engines.generator_results import PartialOutput, TakeEntries, add_tokens, finish
 from model_worker.engines.gpu_logprobs import StepLogprobs
-from model_worker.engines.prompt_tokenizer import releasing_copy
+from model_worker.engines.prompt_tokenizer import hugging_face_tokenizer, releasing_copy
+from model_worker.engines.token_bytes import partial_bytes_reader
 from model_worker.engines.token_texts import TokenTexts
 from wire.params import SamplingParams
 from wire.results import JobOutput, RejectCode
@@ -136,6 +137,10 @@ class DynamicGeneratorEngine:
 
     def decode(self, token_ids: list[int]) -> str:
         return self._library_codec().decode(token_ids)
+
+    def _read_partial_bytes(self) -> None:
+        """Once the tokenizer is loaded: logprobs carry the bytes of tokens that are part of a character."""
+        self._texts.read_partial_bytes(partial_bytes_reader(hugging_face_tokenizer(self.tokenizer)))
 
     def _library_codec(self) -> LibraryCodec:
         # Made once, after load() bound the tokenizer: decode runs for every streamed token.

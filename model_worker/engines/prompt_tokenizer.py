@@ -38,6 +38,19 @@ class ReleasingTokenizer:
         return getattr(self._inner, name)
 
 
+def hugging_face_tokenizer(library_tokenizer: Any) -> Any:
+    """The `tokenizers.Tokenizer` inside an exllama library tokenizer, or None (SentencePiece)."""
+    from tokenizers import Tokenizer
+
+    for path in _PATHS:
+        inner = library_tokenizer
+        for name in path:
+            inner = getattr(inner, name, None)
+        if isinstance(inner, Tokenizer):
+            return inner
+    return None
+
+
 def releasing_copy(library_tokenizer: Any) -> Any:
     """A copy of an exllama library tokenizer that lets the GIL go while it encodes, or the
     tokenizer itself when its Hugging Face tokenizer is not where this expects it."""

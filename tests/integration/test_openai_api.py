@@ -159,3 +159,34 @@ def test_completion_top_logprobs_hold_the_sampled_token(client: openai.OpenAI, l
         assert len(top) <= logprobs + 1
     if logprobs == 0:
         assert all(len(top) == 1 for top in result.top_logprobs)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_logprobs_give_the_bytes_of_a_token_that_is_part_of_a_character(
+    two_model_gateway: GatewayProcess, stream: bool
+) -> None:
+    # The demo vocabulary (byte-level BPE) splits the emoji into pieces whose texts are all U+FFFD;
+    # a bias makes the model answer with the first piece.
+    emoji = "\U0001f60a"
+    asked = {"model": "demo-small", "prompt": emoji, "add_special_tokens": False}
+    tokenized = httpx.post(two_model_gateway.url + "/tokenize", json=asked)
+    pieces = tokenized.json()["tokens"]
+    assert len(pieces) > 1, tokenized.text
+    body = {"model": "demo-small", "messages": [{"role": "user", "content": "Say it"}], "max_tokens": 1,
+            "temperature": 0, "logit_bias": {str(pieces[0]): 100}, "logprobs": True, "top_logprobs": 2,
+            "stream": stream}  # fmt: skip
+    reply = httpx.post(two_model_gateway.url + "/v1/chat/completions", json=body, timeout=60)
+    assert reply.status_code == 200, reply.text
+    if stream:
+        chunks = [json.loads(line[6:]) for line in reply.text.splitlines() if line.startswith("data: {")]
+        content = [entry for chunk in chunks for choice in chunk["choices"]
+                   for entry in (choice.get("logprobs") or {}).get("content") or []]  # fmt: skip
+    else:
+        content = reply.json()["choices"][0]["logprobs"]["content"]
+    assert len(content) == 1, content
+    token = content[0]
+    assert token["token"] == "\ufffd"
+    assert token["bytes"] and emoji.encode().startswith(bytes(token["bytes"])), token
+    for alternative in token["top_logprobs"]:  # the bias came after them: the model's own top two
+        if alternative["token"] != "\ufffd":
+            assert bytes(alternative["bytes"]).decode() == alternative["token"], alternative

@@ -89,6 +89,7 @@ class ExLlamaV2Engine(DynamicGeneratorEngine):
         self.vocab_size = int(config.vocab_size)
         self._eos_ids = loading.eos_token_ids(config, self.tokenizer)
         self._pieces = self.tokenizer.get_id_to_piece_list(False)
+        self._read_partial_bytes()
         sampler = exllamav2.generator.ExLlamaV2Sampler
         self._supports_logit_bias = hasattr(sampler.Settings(), "token_bias")
         self.generator = exllamav2.generator.ExLlamaV2DynamicGenerator(

@@ -74,6 +74,7 @@ class ExLlamaV3Engine(DynamicGeneratorEngine):
         self.vocab_size = int(config.vocab_size)
         self._eos_ids = [int(t) for t in dict.fromkeys(config.eos_token_id_list)]
         self._pieces = self.tokenizer.get_id_to_piece_list(False)
+        self._read_partial_bytes()
         self.generator = exllamav3.Generator(
             model=self.model,
             cache=self.cache,

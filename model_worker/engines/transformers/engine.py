@@ -29,6 +29,7 @@ from model_worker.engines.structured_output import (
     transformers_tokenizer_data,
     wants_json,
 )
+from model_worker.engines.token_bytes import partial_bytes_reader
 from model_worker.engines.token_texts import TokenTexts
 from model_worker.engines.transformers.codec import TokenizerCodec
 from model_worker.engines.transformers.sampling import JobSampler
@@ -109,6 +110,9 @@ class TransformersEngine:
         dtype = self._resolve_dtype(config)
         self._tokenizer = AutoTokenizer.from_pretrained(path)
         self._codec = TokenizerCodec(self._tokenizer)
+        self._texts.read_partial_bytes(
+            partial_bytes_reader(getattr(self._tokenizer, "backend_tokenizer", None))
+        )
         placement: dict[str, Any] = {}
         if self._device.type == "cuda" and importlib.util.find_spec("accelerate") is not None:
             # Straight onto the GPU, so the host never holds a second copy of a large model.
