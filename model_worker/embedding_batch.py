@@ -1,13 +1,18 @@
 """Embedding requests answered in batches: every Embed drained from the socket in one turn of the
-serve loop goes through the model together.
+serve loop goes through the model together, one engine batch (`max_batch_size` inputs, sorted by
+length so padding stays small) at a time.
 
 Runs in the worker process, on the serve loop's thread. Owns the queue of Embed messages and the
-checks their inputs pass (empty, too long, token ids out of range), answered as Rejected. While
-tracing is on, each traced Embed's span (model_worker.tracing) runs from its batch to its answer.
+checks their inputs pass (empty, too long, token ids out of range), answered as Rejected. One turn
+can hold minutes of work (every queued request's inputs) in which the serve loop sends nothing, so
+between engine batches it calls the loop's heartbeat once one is due: without it the gateway would
+judge the worker hung after `heartbeat_timeout_s`, kill it and fail every request it held.
+While tracing is on, each traced Embed's span (model_worker.tracing) runs from its batch to its answer.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 from model_worker.engines.base import Embeds, Engine, RequestRejected
@@ -26,15 +31,19 @@ class EmbeddingBatch:
         spec: WorkerSpec,
         send: Callable[[wire.Message], None],
         spans: JobSpans | None = None,
+        heartbeat: Callable[[], None] | None = None,
     ) -> None:
         self.engine, self.info, self.spec, self.send = engine, info, spec, send
         self.spans = spans  # the worker's job spans while tracing is on (shared with JobDesk)
+        self.heartbeat = heartbeat  # the serve loop's: sends one Heartbeat frame now
         self.queue: list[wire.Embed] = []
+        self._last_beat = time.monotonic()
 
     def run(self) -> None:
-        """Every Embed queued so far, as one batch through the model; one Embeddings reply each."""
+        """Every Embed queued so far, through the model together; one Embeddings reply each."""
         batch = list(self.queue)
         self.queue.clear()
+        self._last_beat = time.monotonic()  # the serve loop's own beat is at most an interval old
         spans = self.spans
         if spans is not None:
             for msg in batch:
@@ -57,7 +66,7 @@ class EmbeddingBatch:
         if not accepted:
             return
         assert embed is not None
-        vectors = embed([ids for _, inputs in accepted for ids in inputs])
+        vectors = self._embed_in_batches(embed, [ids for _, inputs in accepted for ids in inputs])
         start = 0
         for msg, inputs in accepted:
             count = len(inputs)
@@ -67,9 +76,32 @@ class EmbeddingBatch:
                 spans.embedded(msg.rid, tokens)
             start += count
 
+    def _embed_in_batches(
+        self, embed: Callable[[list[list[int]]], list[list[float]]], inputs: list[list[int]]
+    ) -> list[list[float]]:
+        """One vector per input, in order; the model sees one engine batch at a time."""
+        order = sorted(range(len(inputs)), key=lambda i: len(inputs[i]))
+        vectors: list[list[float]] = [[] for _ in inputs]
+        size = max(self.info.max_batch_size, 1)
+        for start in range(0, len(order), size):
+            indices = order[start : start + size]
+            for i, vector in zip(indices, embed([inputs[i] for i in indices]), strict=True):
+                vectors[i] = vector
+            self._beat_if_due()
+        return vectors
+
+    def _beat_if_due(self) -> None:
+        now = time.monotonic()
+        if self.heartbeat is not None and now - self._last_beat >= self.spec.heartbeat_interval_s:
+            self._last_beat = now
+            self.heartbeat()
+
     def _inputs(self, msg: wire.Embed) -> list[list[int]]:
         if msg.texts is not None:
-            inputs = [self.engine.encode(text, add_special_tokens=True) for text in msg.texts]
+            inputs = []
+            for text in msg.texts:
+                inputs.append(self.engine.encode(text, add_special_tokens=True))
+                self._beat_if_due()  # megabytes of text take the tokenizer seconds
         else:
             inputs = [list(ids) for ids in msg.token_ids or []]
         limit, vocab = self.info.max_seq_len, self.info.vocab_size

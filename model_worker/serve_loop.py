@@ -232,7 +232,7 @@ class Worker:
         self.info = engine.info()
         chat_template = ChatTemplate.for_model(spec.path, spec.chat_template)
         self.jobs = JobDesk(engine, spec, self._send)
-        self.embeddings = EmbeddingBatch(engine, self.info, spec, self._send, self.jobs.spans)
+        self.embeddings = EmbeddingBatch(engine, self.info, spec, self._send, self.jobs.spans, self._beat)
         load_s = time.monotonic() - started
         logger.info("model loaded in %.1fs", load_s)
         self.move_to(WorkerState.WARMING, "warm-up generation")
@@ -260,7 +260,7 @@ class Worker:
         )
         check_transition(self.state, WorkerState.READY)
         # The gateway holds the warm-up's counts from the moment it sees Ready, not one heartbeat later.
-        self._send(wire.Heartbeat(self.state, engine.stats(), self.jobs.load()))
+        self._beat()
         self.state = WorkerState.READY
         self._send(self._ready)
         logger.info("ready (warm-up %.2fs)", warm_s)
@@ -339,7 +339,7 @@ class Worker:
                 # Several gateways admit by this worker's load: each hears of the others' jobs now.
                 if now - last_report >= LOAD_REPORT_GAP_S:
                     last_report, reported_held = now, jobs.held
-                    self._send(wire.Heartbeat(self.state, engine.stats(), jobs.load()))
+                    self._beat()
             if heartbeat_due:
                 last_heartbeat = last_report = now
                 reported_held = jobs.held
@@ -348,7 +348,7 @@ class Worker:
                     return
                 # Its step counter and job counts are what the gateway's wedge watchdog judges by:
                 # prefill chunks send no Step frame, and only the engine knows which jobs it holds.
-                self._send(wire.Heartbeat(self.state, engine.stats(), jobs.load()))
+                self._beat()
                 if self.parent_pid is not None and os.getppid() != self.parent_pid:
                     logger.warning("gateway (pid %s) is gone; exiting", self.parent_pid)
                     return
@@ -465,3 +465,8 @@ class Worker:
         # Never dropped: a Step can carry a job's end. A gateway that takes nothing for the patience
         # makes this raise, which is fatal for the worker (model_worker.link_thread).
         self.link.send(message)
+
+    def _beat(self) -> None:
+        """A Heartbeat now: the worker's state, its engine's counters and its load."""
+        assert self.engine is not None and self.jobs is not None
+        self._send(wire.Heartbeat(self.state, self.engine.stats(), self.jobs.load()))

@@ -84,7 +84,7 @@ async def latest_reload() -> Any:
 async def reload_progress(reload_id: int) -> Any:
     record = current_app.extensions["reloads"].records.get(reload_id)
     if record is None:
-        raise InvalidRequest(f"no reload {reload_id} (the last few are kept)", code="not_found", param="id")
+        raise NotFound(f"no reload {reload_id} (the last few are kept)", param="id")
     return jsonify(await _reload_view(record))
 
 

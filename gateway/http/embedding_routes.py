@@ -12,7 +12,7 @@ import base64
 import struct
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from quart import Blueprint, jsonify, request
 from quart_schema import validate_request
 
@@ -31,7 +31,9 @@ MAX_INPUTS = 2048
 
 
 class EmbeddingRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    # Strict: a value of the wrong JSON type ("dimensions": "64", token ids sent as true or 1.0) is a
+    # 400 naming the field, never coerced into an input the client did not send.
+    model_config = ConfigDict(extra="allow", strict=True)
     model: str = Field(..., min_length=1)
     input: str | list[str] | list[TokenId] | list[list[TokenId]]
     encoding_format: Literal["float", "base64"] = "float"
@@ -44,19 +46,60 @@ class EmbeddingRequest(BaseModel):
         None, ge=-1, lt=2**31, description="Refused (vLLM): inputs are never cut."
     )
 
+    @field_validator("input", mode="before")
+    @classmethod
+    def _one_kind(cls, value: Any) -> Any:
+        """A list holds one kind of input. A mix (a string beside token ids) or an item of no kind
+        is refused naming that item, not reported against whichever union shape pydantic tried."""
+        if not isinstance(value, list) or not value:
+            return value
+        first = _input_kind(value[0])
+        for index, item in enumerate(value):
+            kind = _input_kind(item)
+            if kind is None:
+                raise InvalidRequest(
+                    f"input.{index} must be a string, a token id or a list of token ids",
+                    param=f"input.{index}",
+                )
+            if kind != first:
+                raise InvalidRequest(
+                    f"input.{index}: the inputs of one request are all {first}", param=f"input.{index}"
+                )
+        return value
+
     def inputs(self) -> tuple[list[str] | None, list[list[int]] | None]:
+        """The texts, or the token-id lists, to embed: one of the two is None."""
         value = self.input
+        # OpenAI refuses an empty input: an empty string's vector would be the special tokens' alone.
         if isinstance(value, str):
+            if not value:
+                raise InvalidRequest("input is empty: there is nothing to embed", param="input")
             return [value], None
         if not value:
             raise InvalidRequest("input must not be empty", param="input")
-        if len(value) > MAX_INPUTS:
+        if isinstance(value[0], int):  # one input as token ids (_one_kind made them all ids)
+            return None, [list(value)]
+        if len(value) > MAX_INPUTS:  # inputs, not the tokens of one: those the model's length bounds
             raise InvalidRequest(f"at most {MAX_INPUTS} inputs", param="input")
-        if all(isinstance(v, str) for v in value):
-            return list(value), None  # type: ignore[arg-type]
-        if all(isinstance(v, int) for v in value):
-            return None, [list(value)]  # type: ignore[arg-type]
-        return None, [list(v) for v in value]  # type: ignore[arg-type]
+        for index, item in enumerate(value):
+            if not item:
+                raise InvalidRequest(
+                    f"input.{index} is empty: there is nothing to embed", param=f"input.{index}"
+                )
+        if isinstance(value[0], str):
+            return list(value), None
+        return None, [list(v) for v in value]
+
+
+def _input_kind(item: object) -> str | None:
+    """What one item of a list `input` is: "strings", "token ids" or "lists of token ids"."""
+    if isinstance(item, str):
+        return "strings"
+    if type(item) is int:  # never a bool: true is not token 1
+        return "token ids"
+    if isinstance(item, list) and all(type(t) is int for t in item):
+        return "lists of token ids"
+    return None
 
 
 def _encode(vector: list[float], encoding: str) -> list[float] | str:

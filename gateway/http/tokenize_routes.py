@@ -33,8 +33,14 @@ blueprint = Blueprint("tokenize", __name__)
 ANSWER_TIMEOUT_S = 30.0
 
 
+# Only a chat template reads these: beside `prompt` they would change nothing, so a value other
+# than the default is refused by name rather than dropped.
+CHAT_ONLY_FIELDS = ("add_generation_prompt", "continue_final_message", "chat_template_kwargs", "tools")
+
+
 class TokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    # Strict: "add_special_tokens": "no" or 0 is a 400 naming the field, not read as false.
+    model_config = ConfigDict(extra="allow", strict=True)
     model: str | None = Field(None, min_length=1, description="May be left out when one model is served.")
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1, max_length=4096)
@@ -49,6 +55,17 @@ class TokenizeRequest(BaseModel):
     def _one_input(self) -> TokenizeRequest:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give exactly one of prompt or messages")
+        if self.prompt is not None:
+            for name in CHAT_ONLY_FIELDS:
+                if getattr(self, name) not in (type(self).model_fields[name].default, [], {}):
+                    raise InvalidRequest(f"{name} applies only with messages, not with prompt", param=name)
+        elif self.add_special_tokens and "add_special_tokens" in self.model_fields_set:
+            # The chat template places the special tokens itself, as in chat completions; adding
+            # more on top (vLLM's meaning of true here) is not done, so it is refused, not dropped.
+            raise InvalidRequest(
+                "add_special_tokens with messages must be false: the chat template adds the special tokens",
+                param="add_special_tokens",
+            )
         return self
 
     def chat_options(self) -> ChatOptions:
@@ -62,9 +79,19 @@ class TokenizeRequest(BaseModel):
 
 
 class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    # Strict: token ids sent as strings, floats or booleans are a 400, not read as integers.
+    model_config = ConfigDict(extra="allow", strict=True)
     model: str | None = Field(None, min_length=1, description="May be left out when one model is served.")
     tokens: list[TokenId] = Field(..., max_length=1_000_000)
+    skip_special_tokens: bool = Field(True, description="Only true: the worker's decoder skips them.")
+
+    @model_validator(mode="after")
+    def _decodable(self) -> DetokenizeRequest:
+        if not self.skip_special_tokens:
+            raise InvalidRequest(
+                "skip_special_tokens false is not supported (they are skipped)", param="skip_special_tokens"
+            )
+        return self
 
 
 def model_route(name: str | None) -> ModelRoute:

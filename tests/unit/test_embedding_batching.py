@@ -1,9 +1,10 @@
 """The worker batches embeddings: every Embed drained from the socket goes through the model in one
-call, and padding in a batch does not change any vector. Real embedding engine; the frames the
-worker would send are collected."""
+call, and padding in a batch does not change any vector; a turn longer than one engine batch beats
+the heartbeat between batches. Real embedding engine; the frames the worker would send are collected."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
@@ -39,7 +40,8 @@ def test_embed_requests_are_batched(
 
     def counting_embed(inputs: list[list[int]]) -> list[list[float]]:
         calls.append(len(inputs))
-        return embed(inputs)
+        vectors: list[list[float]] = embed(inputs)
+        return vectors
 
     monkeypatch.setattr(engine, "embed", counting_embed)
     batcher = EmbeddingBatch(engine, engine.info(), spec, sent.append)
@@ -58,3 +60,36 @@ def test_embed_requests_are_batched(
         for got, single in zip(reply.vectors, alone, strict=True):
             assert max(abs(a - b) for a, b in zip(got, single, strict=True)) < 1e-5
     assert not batcher.queue
+
+
+def test_a_turn_of_several_engine_batches_beats_between_them(
+    engine_and_spec: tuple[Any, WorkerSpec], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine, spec = engine_and_spec
+    spec = dataclasses.replace(spec, heartbeat_interval_s=0.0)  # every chance to beat is due
+    sent: list[wire.Message] = []
+    events: list[str] = []
+    embed = engine.embed
+
+    def recording_embed(inputs: list[list[int]]) -> list[list[float]]:
+        events.append(f"embed {len(inputs)}")
+        vectors: list[list[float]] = embed(inputs)
+        return vectors
+
+    monkeypatch.setattr(engine, "embed", recording_embed)
+    batcher = EmbeddingBatch(
+        engine, engine.info(), spec, sent.append, heartbeat=lambda: events.append("beat")
+    )
+    texts = [f"input number {i} " * (1 + i % 3) for i in range(10)]  # max_batch_size 4: three batches
+    batcher.queue.append(wire.Embed("r", texts, None))
+    batcher.run()
+    embeds = [e for e in events if e.startswith("embed")]
+    assert embeds == ["embed 4", "embed 4", "embed 2"]
+    # Without a beat between them the gateway hears nothing for the whole turn.
+    for before, after in zip(events, events[1:], strict=False):
+        assert not (before.startswith("embed") and after.startswith("embed")), events
+    (reply,) = sent
+    assert isinstance(reply, wire.Embeddings)
+    alone = embed([engine.encode(t, add_special_tokens=True) for t in texts])
+    for got, single in zip(reply.vectors, alone, strict=True):
+        assert max(abs(a - b) for a, b in zip(got, single, strict=True)) < 1e-5
