@@ -30,8 +30,18 @@ DEFAULT_CONFIG = "config/models.yaml"
 def _cmd_serve(args: argparse.Namespace) -> int:
     registry = load_registry(args.config)
     host = args.host or os.environ.get("HOST") or registry.server.host
-    port = int(args.port if args.port is not None else os.environ.get("PORT") or registry.server.port)
+    if args.port is not None:
+        port = _port(args.port, "--port")
+    elif os.environ.get("PORT"):
+        port = _port(os.environ["PORT"], "PORT")
+    else:
+        port = registry.server.port
+    if args.own_port is not None:
+        _port(args.own_port, "--own-port")
     check_bind_allowed(registry, host, os.environ)  # no keys: loopback only
+    runtime_dir = _runtime_dir_problem(registry)
+    if runtime_dir is not None:
+        raise ConfigError(f"{registry.source}: {runtime_dir}")
     _check_placement(registry)
     if registry.server.remote_workers is not None:
         from gateway.link.worker_identities import check_remote_keys
@@ -50,6 +60,31 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+def _port(value: str | int, given_as: str) -> int:
+    """A port given on the command line or in $PORT; the registry's own is checked with the file."""
+    try:
+        port = int(value)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise ConfigError(f"{given_as}: {value!r} is not a port (0 to 65535)")
+    return port
+
+
+def _runtime_dir_problem(registry: Registry) -> str | None:
+    """Why server.runtime_dir cannot hold the workers' socket on this host, or None."""
+    folder = registry.server.runtime_dir
+    if folder is None:
+        return None
+    where = f"server, field 'runtime_dir': {folder}"
+    existing = next((p for p in (folder, *folder.absolute().parents) if p.exists()), None)
+    if existing == folder and not folder.is_dir():
+        return f"{where} exists and is not a folder"
+    if existing is not None and existing != folder and not os.access(existing, os.W_OK | os.X_OK):
+        return f"{where} cannot be made: {existing} is not writable"
+    return None
 
 
 def _check_placement(registry: Registry) -> None:
@@ -75,12 +110,22 @@ def _host_problems(registry: Registry) -> list[str]:
                     f"model {model.name!r}, field 'path': {model.hub} is not in the model cache "
                     f"({model.path}) and this host is offline (HF_HUB_OFFLINE=1)"
                 )
-        elif not model.path.is_dir():
+        elif not _is_folder(model.path):
             problems.append(f"model {model.name!r}, field 'path': {model.path} is not a folder on this host")
+    runtime_dir = _runtime_dir_problem(registry)
+    if runtime_dir is not None:
+        problems.append(runtime_dir)
     if any(model.gpus or model.replica_gpus for model in registry.models if not model.remote):
         errors, _ = check_placement(registry, discover_gpus())
         problems += errors
     return [f"{registry.source}: {problem}" for problem in problems]
+
+
+def _is_folder(path: Path) -> bool:
+    try:
+        return path.is_dir()
+    except OSError:  # a name too long for this file system: no folder either
+        return False
 
 
 def _cmd_check_config(args: argparse.Namespace) -> int:

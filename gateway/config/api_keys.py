@@ -35,7 +35,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -48,6 +47,7 @@ from pydantic import (
 from pydantic_core import ErrorDetails
 
 from gateway.config.registry import ConfigError, Registry
+from gateway.config.yaml_file import YamlFileError, read_yaml_file
 
 logger = logging.getLogger(__name__)
 
@@ -137,7 +137,12 @@ def digest_of(key: str) -> bytes:
 
 
 def _entry_where(error: ErrorDetails, raw: Any) -> str:
-    loc = list(error["loc"])
+    return _where_in_keys(raw, error["loc"])
+
+
+def _where_in_keys(raw: Any, location: tuple[str | int, ...]) -> str:
+    """`key 'name' (entry #N), field 'a'` for a location in the keys file."""
+    loc = list(location)
     where = []
     if len(loc) >= 2 and loc[0] == "keys" and isinstance(loc[1], int):
         entries = raw.get("keys") if isinstance(raw, dict) else None
@@ -153,13 +158,9 @@ def _entry_where(error: ErrorDetails, raw: Any) -> str:
 def parse_keys_file(path: Path, registry: Registry) -> list[ApiKey]:
     """Read and validate a keys file; ConfigError naming the file, the entry and the field."""
     try:
-        raw = yaml.safe_load(path.read_text())
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot read keys file: {exc.strerror}") from None
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark else ""
-        raise ConfigError(f"{path}: not valid YAML{where}: {getattr(exc, 'problem', exc)}") from None
+        raw = read_yaml_file(path, _where_in_keys, kind="keys file")
+    except YamlFileError as exc:
+        raise ConfigError(str(exc)) from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a mapping with 'keys' at the top level")
     try:

@@ -11,14 +11,17 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
+from pydantic import AfterValidator, Field, PrivateAttr, field_validator, model_validator
 
 from gateway.config.hub import HubRef
+from gateway.config.strict_model import Location, StrictModel, field_errors
 from wire.params import DEFAULT_BURST_GATHER_MS, DEFAULT_ENGINE, DEFAULT_MAX_SEQ_LEN
 
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+# Parts split by single slashes (org/model), as a URL path carries them (/v1/models/{name}).
+_MODEL_NAME = re.compile(r"^[A-Za-z0-9._:-]+(/[A-Za-z0-9._:-]+)*$")
 # Set by the gateway for each worker; a model's `env` may not override them.
 RESERVED_ENV = frozenset({"CUDA_VISIBLE_DEVICES", "LOG_FORMAT"})
 # Tool-call output formats the gateway can read (gateway.tools.parsers implements each).
@@ -27,11 +30,20 @@ ToolCallParserName = Literal["hermes", "qwen", "llama3_json", "mistral"]
 ReasoningParserName = Literal["deepseek_r1", "qwen3"]
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+def _model_name(name: str) -> str:
+    # Clients and proxies resolve `.` and `..` in URL paths: /v1/models/.. would never reach the model.
+    if not _MODEL_NAME.match(name) or any(part in (".", "..") for part in name.split("/")):
+        raise ValueError(
+            f"{name!r} is not a model name: letters, digits and . _ : - in parts split by single "
+            "slashes, no part '.' or '..' (clients send it in URL paths)"
+        )
+    return name
 
 
-class SamplingDefaults(_Strict):
+ModelName = Annotated[str, AfterValidator(_model_name)]
+
+
+class SamplingDefaults(StrictModel):
     """Per-model defaults; a request's own values override them."""
 
     max_tokens: int = Field(512, ge=1, description="Completion length when the request gives none.")
@@ -45,7 +57,7 @@ class SamplingDefaults(_Strict):
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="OpenAI's, once per token present.")
 
 
-class ModelLimits(_Strict):
+class ModelLimits(StrictModel):
     max_concurrent_jobs: int = Field(8, ge=1, description="Jobs sent to the worker at once.")
     max_queued_requests: int = Field(64, ge=0, description="Requests waiting in the gateway beyond that.")
     worker_queued_jobs: int = Field(
@@ -105,8 +117,8 @@ class ModelLimits(_Strict):
     )
 
 
-class ModelConfig(_Strict):
-    name: str = Field(..., min_length=1, pattern=r"^[A-Za-z0-9._:/-]+$", description="What clients send.")
+class ModelConfig(StrictModel):
+    name: ModelName = Field(..., description="What clients send.")
     engine: str = Field(DEFAULT_ENGINE, description="exllamav2 (GPU) or transformers (CPU or GPU).")
     path: Path = Field(
         ...,
@@ -121,7 +133,7 @@ class ModelConfig(_Strict):
     replica_gpus: list[list[int]] | None = Field(
         None, description="GPU indices per replica, e.g. [[0], [1]]; default: every replica uses gpus."
     )
-    aliases: list[str] = Field(default_factory=list, description="Other names clients may send for it.")
+    aliases: list[ModelName] = Field(default_factory=list, description="Other names clients may send for it.")
     defaults: SamplingDefaults = Field(
         default_factory=SamplingDefaults, description="Sampling defaults; a request's own values win."
     )
@@ -190,9 +202,23 @@ class ModelConfig(_Strict):
     @field_validator("gpus")
     @classmethod
     def _gpus_unique(cls, gpus: list[int]) -> list[int]:
-        if len(set(gpus)) != len(gpus) or any(g < 0 for g in gpus):
-            raise ValueError("GPU indices must be distinct and non-negative")
+        _check_gpu_indices(gpus)
         return gpus
+
+    @field_validator("replica_gpus")
+    @classmethod
+    def _replica_gpus_unique(cls, replica_gpus: list[list[int]] | None) -> list[list[int]] | None:
+        for gpus in replica_gpus or []:
+            _check_gpu_indices(gpus)
+        return replica_gpus
+
+    @field_validator("path", mode="before")
+    @classmethod
+    def _path_given(cls, path: Any) -> Any:
+        # An empty string would be the registry's own folder, which is no model.
+        if isinstance(path, str) and not path.strip():
+            raise ValueError("empty: give the model folder (relative to the registry file) or hf://ORG/NAME")
+        return path
 
     def gpus_of_replica(self, replica: int) -> list[int]:
         return list(self.replica_gpus[replica]) if self.replica_gpus else list(self.gpus)
@@ -222,19 +248,49 @@ class ModelConfig(_Strict):
 
     @model_validator(mode="after")
     def _embedding_engine(self) -> ModelConfig:
-        if self.task == "embed" and self.engine != "transformers":
-            raise ValueError("task embed runs on the transformers engine only")
-        if self.task == "embed" and self.tool_call_parser is not None:
-            raise ValueError("an embedding model has no tool_call_parser")
-        if self.task == "embed" and self.reasoning_parser is not None:
-            raise ValueError("an embedding model has no reasoning_parser")
+        if self.task != "embed":
+            return self
+        problems: list[tuple[Location, str]] = []
+        if self.engine != "transformers":
+            problems.append((("engine",), "task embed runs on the transformers engine only"))
+        if self.tool_call_parser is not None:
+            problems.append((("tool_call_parser",), "an embedding model has no tool_call_parser"))
+        if self.reasoning_parser is not None:
+            problems.append((("reasoning_parser",), "an embedding model has no reasoning_parser"))
+        if problems:
+            raise field_errors("ModelConfig", problems)
+        return self
+
+    @model_validator(mode="after")
+    def _default_fits_the_context(self) -> ModelConfig:
+        # The default applies to every request that gives no max_tokens; past the context length
+        # each of them would be refused (gateway.http.schemas), though the client asked nothing wrong.
+        if self.task == "generate" and self.defaults.max_tokens > self.max_seq_len:
+            given = "" if "max_tokens" in self.defaults.model_fields_set else " (the default)"
+            raise field_errors(
+                "ModelConfig",
+                [
+                    (
+                        ("defaults", "max_tokens"),
+                        f"{self.defaults.max_tokens}{given} exceeds max_seq_len {self.max_seq_len}: every "
+                        f"request without max_tokens would be refused; set it to at most {self.max_seq_len}",
+                    )
+                ],
+            )
         return self
 
     @model_validator(mode="after")
     def _replicas_have_gpus(self) -> ModelConfig:
         if self.replica_gpus is not None:
             if len(self.replica_gpus) != self.replicas:
-                raise ValueError(f"replica_gpus needs one GPU list per replica ({self.replicas})")
+                message = f"replica_gpus needs one GPU list per replica ({self.replicas})"
+                raise field_errors("ModelConfig", [(("replica_gpus",), message)])
             if any(not gpus for gpus in self.replica_gpus):
-                raise ValueError("every replica in replica_gpus needs at least one GPU")
+                message = "every replica in replica_gpus needs at least one GPU"
+                raise field_errors("ModelConfig", [(("replica_gpus",), message)])
         return self
+
+
+def _check_gpu_indices(gpus: list[int]) -> None:
+    if len(set(gpus)) != len(gpus) or any(g < 0 for g in gpus):
+        raise ValueError("GPU indices must be distinct and non-negative")

@@ -103,8 +103,10 @@ def weights_bytes(model: ModelConfig) -> int:
     """On-disk size of the weights; quantized and FP16 weights load at about their file size."""
     total = 0
     for folder in model.weight_dirs:
-        if Path(folder).is_dir():
+        try:
             total += sum(f.stat().st_size for f in Path(folder).glob("*.safetensors"))
+        except OSError:  # no such folder here (or a name too long to be one): the path check says so
+            continue
     return total
 
 

@@ -16,83 +16,109 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, model_validator
 
 from gateway.cluster.settings import ClusterConfig
 from gateway.config.hub import HUB_SCHEME, HubRef, parse_hub_path
 from gateway.config.models import ModelConfig
 from gateway.config.server_config import ServerConfig
+from gateway.config.strict_model import Location, StrictModel, field_errors
+from gateway.config.yaml_file import YamlFileError, read_yaml_file
 from wire.env_expand import UnsetVariable, expand_env
 from wire.params import WorkerSpec
 
 DEFAULT_MODEL_CACHE = Path("~/.cache/llm-gateway/models")
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class Registry(_Strict):
+class Registry(StrictModel):
     server: ServerConfig = Field(default_factory=ServerConfig)
     models: list[ModelConfig] = Field(..., min_length=1)
     source: Path | None = Field(None, exclude=True)
 
     @model_validator(mode="after")
     def _names_unique(self) -> Registry:
-        seen: dict[str, str] = {}
-        for model in self.models:
-            for name in (model.name, *model.aliases):
-                if name in seen:
-                    raise ValueError(
-                        f"name {name!r} of model {model.name!r} is already used by {seen[name]!r}"
-                    )
-                seen[name] = model.name
+        owner: dict[str, int] = {}  # each name or alias -> the index of the model it names
+        problems: list[tuple[Location, str]] = []
+        for index, model in enumerate(self.models):
+            names: list[tuple[Location, str]] = [(("name",), model.name)]
+            names += [(("aliases", n), alias) for n, alias in enumerate(model.aliases)]
+            for field, name in names:
+                first = owner.get(name)
+                if first is None:
+                    owner[name] = index
+                    continue
+                other = f"model #{first + 1} ({self.models[first].name!r})"
+                whose = "this model" if first == index else other
+                problems.append((("models", index, *field), f"{name!r} already names {whose}"))
+        if problems:
+            raise field_errors("Registry", problems)
         return self
 
     @model_validator(mode="after")
     def _remote_needs_listener(self) -> Registry:
-        remote = [m.name for m in self.models if m.remote]
-        if remote and self.server.remote_workers is None and self.server.cluster is None:
-            raise ValueError(
-                f"models {remote} are remote, but neither server.remote_workers nor server.cluster "
-                "is configured"
-            )
+        problems: list[tuple[Location, str]] = []
+        if self.server.remote_workers is None and self.server.cluster is None:
+            problems += [
+                (
+                    ("models", index, "remote"),
+                    "a remote model needs server.remote_workers or server.cluster, where its workers "
+                    "connect, and neither is configured",
+                )
+                for index, model in enumerate(self.models)
+                if model.remote
+            ]
         cluster = self.server.cluster
         if cluster is not None:
             if cluster.secret_key_file is None:
-                raise ValueError(
-                    "server.cluster.secret_key_file is required (the gateway's CURVE key: gateway keys)"
+                problems.append(
+                    (
+                        ("server", "cluster", "secret_key_file"),
+                        "required (the gateway's CURVE key: gateway keys)",
+                    )
                 )
             if cluster.backend == "kubernetes" and cluster.worker_public_key_file is None:
-                raise ValueError(
-                    "server.cluster.worker_public_key_file is required with backend: kubernetes "
-                    "(EndpointSlices carry no key)"
+                problems.append(
+                    (
+                        ("server", "cluster", "worker_public_key_file"),
+                        "required with backend: kubernetes (EndpointSlices carry no key)",
+                    )
                 )
-            for worker in cluster.workers:
+            for number, worker in enumerate(cluster.workers):
                 model = self.model(worker.model)
                 if model is None or not model.remote or worker.worker_id.split("@", 1)[0] != model.name:
-                    raise ValueError(
-                        f"server.cluster.workers: {worker.worker_id!r} must be MODEL@NAME of a "
-                        f"`remote: true` model, and model {worker.model!r} must be that model"
+                    problems.append(
+                        (
+                            ("server", "cluster", "workers", number),
+                            f"{worker.worker_id!r} must be MODEL@NAME of a `remote: true` model, and "
+                            f"model {worker.model!r} must be that model",
+                        )
                     )
+        if problems:
+            raise field_errors("Registry", problems)
         return self
 
     @model_validator(mode="after")
     def _groups_start_one(self) -> Registry:
+        problems: list[tuple[Location, str]] = []
         starters: dict[str, list[str]] = {}
-        for model in self.models:
+        for index, model in enumerate(self.models):
             if model.exclusive_group is not None and model.remote and self.server.cluster is None:
                 # In cluster mode on etcd the leader swaps listening workers (gateway.workers.cluster_loads).
-                raise ValueError(f"model {model.name!r} is remote; exclusive_group is for local models")
+                message = "this model is remote; exclusive groups are for local models"
+                problems.append((("models", index, "exclusive_group"), message))
             if model.exclusive_group is not None and model.load == "startup":
                 starters.setdefault(model.exclusive_group, []).append(model.name)
-        for group, names in starters.items():
-            if len(names) > 1:
-                raise ValueError(
-                    f"exclusive_group {group!r}: models {names} are all `load: startup`, but only one "
-                    "model of a group runs at a time; make the others `load: on_demand`"
-                )
+                if len(starters[model.exclusive_group]) > 1:
+                    problems.append(
+                        (
+                            ("models", index, "load"),
+                            f"exclusive_group {model.exclusive_group!r}: models "
+                            f"{starters[model.exclusive_group]} are all `load: startup`, but only one model "
+                            "of a group runs at a time; make the others `load: on_demand`",
+                        )
+                    )
+        if problems:
+            raise field_errors("Registry", problems)
         return self
 
     def model(self, name: str) -> ModelConfig | None:
@@ -110,7 +136,8 @@ def _describe(error: Any, raw: Any) -> str:
     loc = list(error["loc"])
     where = []
     if len(loc) >= 2 and loc[0] == "models" and isinstance(loc[1], int):
-        entry = raw["models"][loc[1]] if isinstance(raw, dict) else None
+        models = raw.get("models") if isinstance(raw, dict) else None
+        entry = models[loc[1]] if isinstance(models, list) and loc[1] < len(models) else None
         name = entry.get("name") if isinstance(entry, dict) else None
         where.append(f"model {name!r}" if name else f"model #{loc[1] + 1}")
         loc = loc[2:]
@@ -124,11 +151,33 @@ def _describe(error: Any, raw: Any) -> str:
 
 
 def _resolve_template(template: str | None, base: Path) -> str | None:
-    """A chat_template that names a file is relative to the registry file; inline Jinja has braces."""
+    """A chat_template that names a file is relative to the registry file; inline Jinja has braces.
+    ValueError when it has none and names no file: the worker would take the text itself for the
+    template, and every prompt would be that text."""
     if template is None or "{" in template:
         return template
+    if not template.strip():
+        raise ValueError("empty: leave chat_template out to use the model's own template")
     candidate = (base / template).resolve()
-    return str(candidate) if candidate.is_file() else template
+    try:
+        if candidate.is_file():
+            return str(candidate)
+        why = "is not a file"
+    except OSError as exc:  # a name too long, a folder not readable
+        why = f"cannot be read ({exc.strerror})"
+    raise ValueError(
+        f"{candidate} {why}; a template file is relative to the registry file, and an inline template "
+        "has Jinja tags ({{ }} or {% %})"
+    )
+
+
+def _template_of(model: ModelConfig, base: Path, source: Path) -> str | None:
+    try:
+        return _resolve_template(model.chat_template, base)
+    except ValueError as exc:
+        if model.remote:  # its workers resolve it against their own copy of the file
+            return model.chat_template
+        raise ConfigError(f"{source}: model {model.name!r}, field 'chat_template': {exc}") from None
 
 
 def _where(raw: Any, location: tuple[str | int, ...]) -> str:
@@ -259,9 +308,7 @@ def parse_registry(raw: Any, source: Path, check_engines: bool = True) -> Regist
     models = []
     for model, hub in zip(registry.models, _hub_refs(raw, registry, source), strict=True):
         path = hub.folder(cache_dir) if hub is not None else (base / model.path).resolve()
-        copy = model.model_copy(
-            update={"path": path, "chat_template": _resolve_template(model.chat_template, base)}
-        )
+        copy = model.model_copy(update={"path": path, "chat_template": _template_of(model, base, source)})
         copy._hub = hub
         models.append(copy)
     server = registry.server
@@ -320,14 +367,8 @@ def worker_spec(model: ModelConfig, heartbeat_interval_s: float) -> WorkerSpec:
 def load_registry(path: str | Path, environ: Mapping[str, str] | None = None) -> Registry:
     source = Path(path)
     try:
-        text = source.read_text()
-    except OSError as exc:
-        raise ConfigError(f"{source}: cannot read: {exc.strerror}") from None
-    try:
-        raw = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark else ""
-        raise ConfigError(f"{source}: not valid YAML{where}: {getattr(exc, 'problem', exc)}") from None
+        raw = read_yaml_file(source, _where)
+    except YamlFileError as exc:
+        raise ConfigError(str(exc)) from None
     raw = expand_registry_env(raw, source, os.environ if environ is None else environ)
     return parse_registry(raw, source)

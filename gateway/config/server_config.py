@@ -9,20 +9,22 @@ them against the registry file when it loads.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from gateway.cluster.settings import ClusterConfig
+from gateway.config.strict_model import Location, StrictModel, field_errors
 from wire.params import DEFAULT_HEARTBEAT_INTERVAL_S
 
+# ZeroMQ's ipc:// paths are at most 107 bytes (a unix socket's sun_path), and the gateway's socket
+# file name (gateway.core) is added to runtime_dir: leave it room.
+MAX_RUNTIME_DIR_BYTES = 90
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
-
-class RemoteWorkersConfig(_Strict):
+class RemoteWorkersConfig(StrictModel):
     """A tcp listener for workers on other hosts; CURVE-encrypted, and only for known worker keys."""
 
     bind: str = Field(..., pattern=r"^tcp://", description="e.g. tcp://0.0.0.0:5555")
@@ -45,7 +47,7 @@ class RemoteWorkersConfig(_Strict):
     )
 
 
-class ResponseStoreConfig(_Strict):
+class ResponseStoreConfig(StrictModel):
     """Where the Responses API keeps responses stored with `store: true` (and for how long)."""
 
     backend: Literal["auto", "sqlite", "redis", "none"] = Field(
@@ -73,7 +75,7 @@ class ResponseStoreConfig(_Strict):
     )
 
 
-class ServerConfig(_Strict):
+class ServerConfig(StrictModel):
     host: str = Field("127.0.0.1", description="Bind address (HOST and --host override).")
     port: int = Field(8000, ge=0, le=65535, description="Bind port (PORT and --port override).")
     runtime_dir: Path | None = Field(None, description="Where ipc sockets live; default a private temp dir.")
@@ -170,8 +172,48 @@ class ServerConfig(_Strict):
         default_factory=ResponseStoreConfig, description="Stored responses of the Responses API."
     )
 
+    @field_validator("host")
+    @classmethod
+    def _host_named(cls, host: str) -> str:
+        # An empty host binds every interface, which nobody writes on purpose as "".
+        if not host.strip() or any(c.isspace() for c in host):
+            raise ValueError(
+                f"{host!r} is not a host: an address or name, e.g. 127.0.0.1, or 0.0.0.0 for every interface"
+            )
+        return host
+
+    @field_validator("runtime_dir")
+    @classmethod
+    def _socket_path_fits(cls, runtime_dir: Path | None) -> Path | None:
+        if runtime_dir is not None and len(os.fsencode(runtime_dir)) > MAX_RUNTIME_DIR_BYTES:
+            raise ValueError(
+                f"longer than {MAX_RUNTIME_DIR_BYTES} bytes: the ipc socket in it would pass ZeroMQ's "
+                "limit of 107 bytes; choose a shorter folder"
+            )
+        return runtime_dir
+
     @model_validator(mode="after")
-    def _redis_store_needs_url(self) -> ServerConfig:
+    def _consistent(self) -> ServerConfig:
+        problems: list[tuple[Location, str]] = []
         if self.responses.backend == "redis" and self.redis_url is None:
-            raise ValueError("server.responses.backend is redis, but server.redis_url is not set")
+            problems.append((("responses", "backend"), "redis, but server.redis_url is not set"))
+        if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
+            # An idle worker sends nothing but heartbeats: it would be declared lost between two.
+            problems.append(
+                (
+                    ("heartbeat_timeout_s",),
+                    f"{self.heartbeat_timeout_s} must exceed heartbeat_interval_s "
+                    f"({self.heartbeat_interval_s}), or idle workers are lost between two heartbeats",
+                )
+            )
+        if self.restart_backoff_max_s < self.restart_backoff_s:
+            problems.append(
+                (
+                    ("restart_backoff_max_s",),
+                    f"{self.restart_backoff_max_s} is less than restart_backoff_s "
+                    f"({self.restart_backoff_s}), the first delay it caps",
+                )
+            )
+        if problems:
+            raise field_errors("ServerConfig", problems)
         return self

@@ -111,7 +111,7 @@ def test_example_registries_are_valid(path: Path) -> None:
         (
             "  - {name: m1, engine: transformers, path: x}\n"
             "  - {name: m2, engine: transformers, path: y, aliases: [m1]}",
-            ["'m1'", "already used"],
+            ["model 'm2', field 'aliases.0': 'm1' already names model #1 ('m1')"],
         ),
         (
             "  - {name: m1, engine: transformers, path: x, limits: {admission_window_ms: 500}}",
@@ -271,7 +271,7 @@ def test_hub_paths(tmp_path: Path) -> None:
 
 
 def test_remote_model_needs_a_listener(tmp_path: Path) -> None:
-    match = r"are remote, but neither server.remote_workers nor server.cluster is configured"
+    match = r"model 'r', field 'remote': a remote model needs server.remote_workers or server.cluster"
     with pytest.raises(ConfigError, match=match):
         load_registry(
             write(tmp_path, "models:\n  - {name: r, engine: transformers, path: x, remote: true}\n")
