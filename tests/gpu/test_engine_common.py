@@ -258,6 +258,19 @@ def test_logprobs(engine: Any) -> None:
     assert len(sampled.logprobs) == 8 and all(e.top == [] and e.logprob <= 0.0 for e in sampled.logprobs)
 
 
+def test_logprobs_carry_the_bytes_of_a_token_that_is_part_of_a_character(engine: Any) -> None:
+    emoji = "\U0001f60a"  # the demo vocabulary (byte-level BPE) splits it; each piece's text is U+FFFD
+    pieces = engine.encode(emoji, False)
+    assert len(pieces) > 1, pieces
+    run = run_job(engine, engine.encode(PROMPT, True), greedy(1, logprobs=2, logit_bias={pieces[0]: 100.0}))
+    entry = run.logprobs[0]
+    assert entry.token_id == pieces[0] and entry.token == "\ufffd", entry
+    assert entry.raw and emoji.encode().startswith(entry.raw), entry
+    for alternative in entry.top:  # the model's own top two, whole tokens or pieces
+        expected = alternative.token.encode() if alternative.token != "\ufffd" else alternative.raw
+        assert expected and (alternative.raw or alternative.token.encode()) == expected, alternative
+
+
 def test_context_length(engine: Any) -> None:
     max_seq_len = engine.max_seq_len
     unit = engine.encode(PROMPT, False)
