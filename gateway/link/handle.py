@@ -115,6 +115,14 @@ class WorkerHandle:
     def _log_fields(self) -> dict[str, str]:
         return {"worker": self.id, "model": self.model.name}
 
+    def process_gone(self) -> None:
+        """Its process exited: what it last reported (jobs, cache, memory, load) describes nothing
+        now, while the worker waits for its restart or stays failed."""
+        self.pid = self.step_watch = None
+        self.stats = EngineStats()
+        self.load = None
+        self.tokens_per_s = 0.0
+
     def forget_process(self) -> None:
         """Nothing of a previous process carries over to the next one."""
         self.info, self.ready_message, self.ready_at = None, None, None

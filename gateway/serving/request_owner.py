@@ -138,6 +138,8 @@ class RequestOwner:
             self.close()
             raise
         self.admitted = True
+        # The stream opens now: its reader is judged from here, not from the wait in the queue.
+        self.last_activity = self.last_consumed = time.monotonic()
         self.recorder.admitted()
         delay = max(self.deadline - time.monotonic(), 0.0)
         self._deadline_timer = asyncio.get_running_loop().call_later(delay, self._on_deadline)
@@ -387,6 +389,10 @@ class RequestOwner:
 
     def tick(self, now: float, keepalive_s: float, stall_s: float) -> None:
         """The service's ticker: drop a client that stopped reading, or ping a quiet stream."""
+        if not self.admitted:
+            # Still waiting in the gateway: no stream is open, so nothing is read and a ping would
+            # only pile up unread, and then be taken for a client that stopped reading.
+            return
         # Finished requests count too: their last outputs may be stuck behind a client that
         # stopped reading, holding a connection.
         if self.queue.qsize() and now - self.last_consumed >= stall_s:

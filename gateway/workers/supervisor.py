@@ -253,6 +253,8 @@ class Supervisor:
             self.remote.rejoin(handle, message)
             return
         if isinstance(message, wire.Heartbeat):
+            if not remote and handle.pid is None:
+                return  # queued by a process that has since exited: its figures describe nothing
             load_before = handle.load
             handle.reported = message.state
             handle.on_heartbeat(message.stats, time.monotonic(), message.load)
@@ -317,7 +319,7 @@ class Supervisor:
                 return
             await self._spawn(handle)
             exit_reason = await self._watch(handle)
-            handle.pid = handle.step_watch = None  # no process now: nothing to show or to watch
+            handle.process_gone()  # no process now: nothing to show or to watch
             reason = f"{handle.death_cause} ({exit_reason})" if handle.death_cause else exit_reason
             self.fail_requests(handle, reason)
             if self._stopping or handle.retiring:
