@@ -41,6 +41,13 @@ OWN_PORT_MAX_PER_CLIENT = 8
 async def _drain(gateway: Gateway, grace_s: float) -> None:
     gateway.service.draining = True
     gateway.supervisor.mark_draining()
+    # Nothing is routed from now on, so a request still waiting for a slot would only wait out the
+    # grace (and hold the exit back that long): it is told at once, as the new ones are.
+    waiting = gateway.service.abort_waiting(
+        ServiceUnavailable("the server is shutting down", code="shutting_down")
+    )
+    if waiting:
+        logger.info("shutting down: %d request(s) waiting for a slot refused", waiting)
     deadline = time.monotonic() + grace_s
     while gateway.service.in_flight > 0 and time.monotonic() < deadline:
         await asyncio.sleep(0.05)

@@ -106,6 +106,13 @@ class GenerationService:
             owner.abort(error)
         return len(owners)
 
+    def abort_waiting(self, error: APIError) -> int:
+        """Abort every request that no worker has accepted yet, whatever its model; returns how many."""
+        owners = [o for o in self.requests if not o.admitted]
+        for owner in owners:
+            owner.abort(error)
+        return len(owners)
+
     def abort_on_worker(self, worker_id: str, error: APIError) -> int:
         """Abort the requests with an unfinished job on this worker; returns how many."""
         owners = [o for o in self.requests if o.holds_job_on(worker_id)]

@@ -141,3 +141,42 @@ def test_crash_loop_ends_in_failed_state_with_reason(tmp_path: Path, demo_model_
         assert "2 failed starts" in worker["detail"]
         reply = httpx.post(gateway.url + "/v1/completions", json={"model": "m", "prompt": "x"}, timeout=5)
         assert reply.status_code == 503 and "injected load failure" in reply.json()["error"]["message"]
+
+
+def test_sigterm_refuses_waiting_requests_at_once_and_exits_when_the_streams_end(
+    tmp_path: Path, demo_model_dir: Path
+) -> None:
+    # One slot: a stream holds it, a second request waits in the gateway for it. Nothing is routed
+    # once the drain begins, so without an answer at once the waiting one would wait out the long
+    # grace, and hold the exit back as long.
+    entry = demo_entry("m", demo_model_dir, engine=FAULTY, limits={"max_concurrent_jobs": 1})
+    config = write_registry(tmp_path / "models.yaml", [entry], shutdown_grace_s=120)
+    env = {"GATEWAY_ALLOW_TEST_ENGINES": "1", "FAULT_SLOW_STEP_S": "0.05"}
+    with GatewayProcess(config, env=env) as gateway:
+        body = {"model": "m", "prompt": "<<slow>> go", "max_tokens": 60, "ignore_eos": True, "stream": True}
+        waiting_reply: list[httpx.Response] = []
+        refused = threading.Event()
+
+        def wait_for_the_slot() -> None:
+            waiting_reply.append(httpx.post(gateway.url + "/v1/completions", json=body, timeout=150))
+            refused.set()
+
+        with httpx.stream("POST", gateway.url + "/v1/completions", json=body, timeout=150) as response:
+            lines = response.iter_lines()
+            next(line for line in lines if line.startswith("data: "))
+            waiter = threading.Thread(target=wait_for_the_slot)
+            waiter.start()
+            wait_until(lambda: queue_depth(gateway) == 1, "a request waiting for the slot")
+            gateway.process.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
+            assert refused.wait(30), "the waiting request was not answered"
+            rest = [line for line in lines if line.startswith("data: ")]  # the stream goes on
+        waiter.join(5)
+        reply = waiting_reply[0]
+        assert reply.status_code == 503 and reply.json()["error"]["code"] == "shutting_down", reply.text
+        assert rest[-1] == "data: [DONE]"
+        assert json.loads(rest[-2][6:])["choices"][0]["finish_reason"] == "length"
+        assert gateway.process.wait(30) == 0  # type: ignore[union-attr]
+
+
+def queue_depth(gateway: GatewayProcess) -> int:
+    return int(httpx.get(gateway.url + "/admin/workers", timeout=5).json()["models"]["m"]["queue_depth"])
