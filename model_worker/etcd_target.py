@@ -12,9 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from wire.env_expand import UnsetVariable, expand_env
+from wire.yaml_file import YamlFileError, read_yaml_file
 
 
 @dataclass(frozen=True)
@@ -38,10 +37,13 @@ def etcd_target(config: str | Path) -> EtcdTarget | None:
     what the worker reads is checked, and an error names the file and the field."""
     source = Path(config)
     try:
-        raw = yaml.safe_load(source.read_text())
-        server = expand_env((raw or {}).get("server") or {}, os.environ)
-    except (OSError, yaml.YAMLError, AttributeError) as exc:
-        raise RegistrationConfigError(f"{source}: cannot read: {exc}") from None
+        raw = read_yaml_file(source)
+    except YamlFileError as exc:
+        raise RegistrationConfigError(str(exc)) from None
+    if not isinstance(raw, dict):
+        raise RegistrationConfigError(f"{source}: expected a mapping with a 'models' list")
+    try:
+        server = expand_env(raw.get("server") or {}, os.environ)
     except UnsetVariable as exc:
         field = ".".join(str(p) for p in exc.where)
         raise RegistrationConfigError(f"{source}: field 'server.{field}': {exc}") from None

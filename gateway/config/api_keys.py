@@ -47,7 +47,7 @@ from pydantic import (
 from pydantic_core import ErrorDetails
 
 from gateway.config.registry import ConfigError, Registry
-from gateway.config.yaml_file import YamlFileError, read_yaml_file
+from wire.yaml_file import YamlFileError, read_yaml_file
 
 logger = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ from gateway.config.hub import HUB_SCHEME, HubRef, parse_hub_path
 from gateway.config.models import ModelConfig
 from gateway.config.server_config import ServerConfig
 from gateway.config.strict_model import Location, StrictModel, field_errors
-from gateway.config.yaml_file import YamlFileError, read_yaml_file
+from wire.yaml_file import YamlFileError, read_yaml_file
 from wire.env_expand import UnsetVariable, expand_env
 from wire.params import WorkerSpec
 

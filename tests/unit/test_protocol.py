@@ -219,7 +219,7 @@ def test_oversized_frame_is_refused_before_parsing() -> None:
 
 def test_wire_package_imports_neither_process_nor_heavy_libraries() -> None:
     code = (
-        "import sys, wire.messages, wire.states, wire.log_format; "
+        "import sys, wire.messages, wire.states, wire.log_format, wire.yaml_file; "
         "bad = [m for m in sys.modules if m.split('.')[0] in "
         "('gateway', 'model_worker', 'torch', 'quart', 'pydantic', 'zmq')]; print(bad)"
     )

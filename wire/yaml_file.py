@@ -1,6 +1,8 @@
 """Reading a YAML config file (the registry, the API keys file) into plain data, within bounds.
 
-Runs in the gateway process (serve, reloads) and in `gateway check-config`. Owns what PyYAML's
+Imported by the gateway process (serve, reloads, `gateway check-config`) and by a remote worker at
+start-up (model_worker.remote_spec, model_worker.etcd_target), so both read one file within the same
+bounds. The one module of the wire package that needs PyYAML. Owns what PyYAML's
 safe loader lets through: a file too large to be a config (or a device that never ends), text that
 is not UTF-8, nesting deep enough to exhaust Python's recursion, aliases that expand to more values
 than any config holds ("billion laughs") or that contain themselves, keys given twice (PyYAML keeps
@@ -156,7 +158,12 @@ def _yaml_message(path: Path, text: str, exc: yaml.YAMLError) -> str:
     return f"{path}: not valid YAML{where}: {getattr(exc, 'problem', None) or exc}"
 
 
-def read_yaml_file(path: Path, describe: Describe, kind: str = "") -> Any:
+def field_path(data: Any, where: Location) -> str:
+    """The plain description of a place in a file: `field 'server.cluster.etcd'`."""
+    return f"field {'.'.join(str(part) for part in where)!r}"
+
+
+def read_yaml_file(path: Path, describe: Describe = field_path, kind: str = "") -> Any:
     """The file's data (None for an empty file); YamlFileError naming the file and where the problem
     is: a line, or `describe(data, location)` for a value or key that the data itself holds. `kind`
     names the file in the message when it cannot be read ("keys file")."""
