@@ -4,8 +4,9 @@ Runs in the gateway process, at config load. Owns `ClusterConfig`, the registry'
 `server.cluster` section (absent: the single-host default, which needs neither etcd nor
 Kubernetes), with the keys the gateway connects to listening workers with, and `StaticWorker`, one
 entry of a fixed list of workers (backend `static`: no discovery system at all). Like every config
-model here it is frozen and refuses unknown keys; the registry's loader turns a validation error
-into a line that names the file and the field.
+model here it is a StrictModel (gateway.config.strict_model): frozen, no unknown keys, no true/false
+for a number, finite numbers; the registry's loader turns a validation error into a line that names
+the file and the field.
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ import re
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
+
+from gateway.config.strict_model import StrictModel
 
 # host:port, where host is a name, an IPv4 address or a bracketed IPv6 address.
 _ENDPOINT = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]+):(\d{1,5})$")
@@ -26,11 +29,7 @@ _LABEL_VALUE = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?$")
 _DNS_NAME = r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$"
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class EtcdSettings(_Strict):
+class EtcdSettings(StrictModel):
     """etcd v3 (gRPC): worker records under `prefix`, each on its worker's lease; the leader's key."""
 
     endpoints: list[str] = Field(
@@ -85,7 +84,7 @@ class EtcdSettings(_Strict):
         return self
 
 
-class KubernetesSettings(_Strict):
+class KubernetesSettings(StrictModel):
     """The Kubernetes API: workers from the EndpointSlices of their headless Services, the leader
     from a coordination.k8s.io/v1 Lease."""
 
@@ -164,7 +163,7 @@ class KubernetesSettings(_Strict):
         return self
 
 
-class StaticWorker(_Strict):
+class StaticWorker(StrictModel):
     """One listening worker of a fixed list (backend: static)."""
 
     worker_id: str = Field(
@@ -182,7 +181,7 @@ class StaticWorker(_Strict):
     )
 
 
-class ClusterConfig(_Strict):
+class ClusterConfig(StrictModel):
     """Cluster mode: workers are services of their own, found through `backend`; gateways are
     active-active and one of them leads the decisions that must be made once."""
 

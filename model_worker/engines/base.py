@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from wire.params import SamplingParams
@@ -47,7 +47,7 @@ class EngineSettings(BaseModel):
     before it loads. Relative paths resolve against the registry file's folder.
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
     # Whether the engine refuses to run without a GPU (checked at config time for local workers).
     needs_gpu: ClassVar[bool] = False
     # The optional request parameters this engine implements (names as in
@@ -58,6 +58,16 @@ class EngineSettings(BaseModel):
     max_chunk_size: int = Field(
         2048, ge=16, description="Prompt tokens per prefill step; bounds the time of one step."
     )
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _true_false_only_for_switches(cls, value: Any, info: ValidationInfo) -> Any:
+        # pydantic reads true as 1 (`max_batch_size: true`, `gpu_split: [true]`); only a switch takes it.
+        field = cls.model_fields.get(info.field_name or "")
+        items = value if isinstance(value, list) else [value]
+        if field is not None and field.annotation is not bool and any(isinstance(v, bool) for v in items):
+            raise ValueError("true/false is not a value of this setting; write the value")
+        return value
 
     def weight_dirs(self) -> list[Path]:
         """Model folders the engine loads besides the model's own (draft models): for placement."""

@@ -121,6 +121,17 @@ def test_kubernetes_needs_no_section_and_has_working_defaults() -> None:
             "cluster.kubernetes.namespace",
             "pattern",
         ),
+        # The registry's shared rules (gateway.config.strict_model): pydantic alone reads true as 1.
+        (
+            {"backend": "etcd", "etcd": {"endpoints": ["e:2379"], "worker_ttl_s": True}},
+            "cluster.etcd.worker_ttl_s",
+            "true/false is not a number",
+        ),
+        (
+            {"backend": "kubernetes", "kubernetes": {"request_timeout_s": float("nan")}},
+            "cluster.kubernetes.request_timeout_s",
+            "finite number",
+        ),
     ],
 )
 def test_each_mistake_is_refused_at_its_field(raw: dict[str, object], where: str, says: str) -> None:

@@ -35,6 +35,10 @@ def registry(tmp_path: Path, entry: str) -> Path:
         ("engine_settings: {max_chunk_size: 100}", "max_chunk_size", "e.g. 256"),
         ("engine_settings: {cache_size: 100}", "cache_size", "greater than or equal to 256"),
         ("engine_settings: {gpu_split: [0]}", "gpu_split", "at least one GPU a positive number of GB"),
+        # pydantic alone reads true as 1 and .inf as a size.
+        ("engine_settings: {max_batch_size: true}", "max_batch_size", "true/false is not a value"),
+        ("engine_settings: {gpu_split: [true, 20]}", "gpu_split", "true/false is not a value"),
+        ("engine_settings: {reserve_vram_gb: .inf}", "reserve_vram_gb", "finite number"),
     ],
 )  # fmt: skip
 def test_exllamav2_refusals_name_the_field(tmp_path: Path, entry: str, field: str, fragment: str) -> None:
