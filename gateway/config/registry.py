@@ -23,9 +23,9 @@ from gateway.config.hub import HUB_SCHEME, HubRef, parse_hub_path
 from gateway.config.models import ModelConfig
 from gateway.config.server_config import ServerConfig
 from gateway.config.strict_model import Location, StrictModel, field_errors
-from wire.yaml_file import YamlFileError, read_yaml_file
 from wire.env_expand import UnsetVariable, expand_env
 from wire.params import WorkerSpec
+from wire.yaml_file import YamlFileError, read_yaml_file
 
 DEFAULT_MODEL_CACHE = Path("~/.cache/llm-gateway/models")
 
