@@ -55,6 +55,9 @@ MIN_KEY_LENGTH = 16
 ENV_INFERENCE_KEYS = "GATEWAY_API_KEYS"
 ENV_ADMIN_KEYS = "GATEWAY_ADMIN_KEYS"
 API_KEY_VARIABLES = frozenset({ENV_INFERENCE_KEYS, ENV_ADMIN_KEYS})
+# What metrics and logs call a request that showed no key; no configured key may take the name,
+# or its figures would mix with those of refused strangers (gateway.observability.metrics).
+ANONYMOUS = "anonymous"
 # A request's class in a model's queue (gateway.serving.router serves higher classes first).
 Priority = Literal["high", "normal", "low"]
 
@@ -81,8 +84,15 @@ class KeyEntry(BaseModel):
     priority: Priority = Field(
         "normal",
         description="The key's class in the model queues: high, normal or low. A request may lower its "
-        "own class with the X-Priority header, never raise it above its key's.",
+        "own class with the X-Priority header; asking for one above its key's is a 403.",
     )
+
+    @field_validator("name")
+    @classmethod
+    def _not_reserved(cls, name: str) -> str:
+        if name == ANONYMOUS:
+            raise ValueError(f"{ANONYMOUS!r} is what metrics call requests without a key; pick another name")
+        return name
 
     @field_validator("key")
     @classmethod

@@ -18,8 +18,8 @@ Rules once any key source is configured (deny by default):
 - /v1/* counts against the key's `rate_limit_rpm` (token bucket) -> 429 with Retry-After;
 - a key whose token budget for the UTC day or month is used up (gateway.observability.usage) -> 429
   `insufficient_quota` with Retry-After until the period turns;
-- the request's priority class (gateway.serving.priority) is its X-Priority header, capped at its
-  key's `priority`.
+- the request's priority class (gateway.serving.priority) is its X-Priority header, else its key's
+  `priority` (normal without keys); a class above the key's -> 403 `permission_denied` naming it.
 """
 
 from __future__ import annotations
@@ -212,13 +212,25 @@ MODEL_SCOPED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/tokenizer_info")
 
 
 def apply_priority(key: ApiKey | None) -> None:
-    """The request's class in the model queues: X-Priority, capped at its key's class (any class
-    without keys). A header that names no class is a 400 naming it."""
+    """The request's class in the model queues: X-Priority, else its key's class (normal without
+    keys, where any class may be asked for). A header that names no class is a 400 naming it; one
+    above the key's class is a 403 naming it, since capping it quietly would not honour it."""
     requested = request.headers.get(priority.HEADER)
-    chosen = priority.allowed_priority(requested, key.priority if key is not None else priority.CLASSES[0])
+    if requested is None:
+        priority.set_request_priority(key.priority if key is not None else priority.DEFAULT)
+        return
+    ceiling = key.priority if key is not None else priority.CLASSES[0]
+    chosen = priority.allowed_priority(requested, ceiling)
     if chosen is None:
         raise InvalidRequest(
             f"{priority.HEADER} must be one of {', '.join(priority.CLASSES)}", param=priority.HEADER
+        )
+    asked = requested.strip().lower()
+    if chosen != asked:
+        raise PermissionDenied(
+            f"this API key may not ask for {priority.HEADER}: {asked}; its class is {ceiling} "
+            "(a request may only lower its class)",
+            param=priority.HEADER,
         )
     priority.set_request_priority(chosen)
 

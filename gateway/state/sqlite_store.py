@@ -2,15 +2,19 @@
 
 Runs in the gateway process. Every database call runs on one thread of its own (a one-worker
 executor that owns the connection), never on the event loop; the file is opened on first use, in
-WAL mode, so a gateway that never stores a response never creates it. Rows older than the
-retention are invisible at once and deleted at most once a minute, as responses are stored. A
-database or disk error leaves as StoreUnavailable.
+WAL mode, so a gateway that never stores a response never creates it. The file holds prompts and
+outputs, so it is created readable by the gateway's user only (mode 600, in a new folder of mode
+700; SQLite gives its -wal and -shm files the same mode), and an existing one that others may read
+is warned about. Rows older than the retention are invisible at once and deleted at most once a
+minute, as responses are stored. A database or disk error leaves as StoreUnavailable.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import os
 import sqlite3
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -19,6 +23,7 @@ from typing import Any, TypeVar
 
 from gateway.state.response_store import StoredResponse, StoreUnavailable
 
+logger = logging.getLogger(__name__)
 T = TypeVar("T")
 PURGE_EVERY_S = 60.0
 _SCHEMA = (
@@ -51,7 +56,12 @@ class SqliteResponseStore:
 
     def _open(self) -> sqlite3.Connection:
         if self._connection is None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            try:  # before SQLite creates it with the umask's mode
+                os.close(os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+            except FileExistsError:
+                if self.path.stat().st_mode & 0o077:
+                    logger.warning("stored responses in %s are readable by others; chmod 600 it", self.path)
             connection = sqlite3.connect(self.path, isolation_level=None)
             connection.execute("PRAGMA journal_mode=WAL")
             for statement in _SCHEMA:

@@ -75,6 +75,17 @@ def test_dashboard_is_importable() -> None:
             assert panel["targets"] and panel["datasource"]["uid"] == "${datasource}", panel["title"]
 
 
+def test_all_models_includes_requests_refused_before_a_model_was_known() -> None:
+    """401s, 404s and the 429s of a key's rate limit or budget are counted with model="" (label
+    values stay the served names whatever clients send). "All" must match them too, or the
+    per-key panel never shows a key hitting its limits; a model without a worker (on demand,
+    not loaded) is missing from the variable's list and must still count in "All"."""
+    dashboard = json.loads(DASHBOARD.read_text())
+    variable = next(v for v in dashboard["templating"]["list"] if v["name"] == "model")
+    assert variable["includeAll"] and re.fullmatch(variable.get("allValue") or "$^", ""), variable
+    assert re.fullmatch(variable["allValue"], "demo-small")
+
+
 def scraped_sample_names(gateway: GatewayProcess) -> set[str]:
     chat = {"model": "demo-small", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
     assert httpx.post(gateway.url + "/v1/chat/completions", json=chat, timeout=60).status_code == 200

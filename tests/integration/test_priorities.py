@@ -2,7 +2,8 @@
 
 Runs in the pytest process against a gateway whose one CPU worker takes one job at a time. A long
 request holds the slot; three more wait in the queue (low, normal, high, arriving in that order);
-the order in which they start is the order they finish in, since only one runs at a time.
+the order in which they start is the order they finish in, since only one runs at a time. Without
+API keys (this gateway has none) a request may name any class, and one that names none is normal.
 """
 
 from __future__ import annotations
@@ -46,34 +47,47 @@ def wait_for_depth(gateway: GatewayProcess, depth: int, threads: list[threading.
     wait_until(reached, f"{depth} requests wait in the queue", context=gateway.log)
 
 
-def test_higher_classes_leave_a_full_queue_first(one_slot_gateway: GatewayProcess) -> None:
+def finishing_order(gateway: GatewayProcess, queued: list[tuple[str, str | None]]) -> list[str]:
+    """A long request takes the only slot; `queued` (name, X-Priority or None for no header) then
+    wait in the queue in that order. Every one's status must be 200; the order they finished in."""
     finished: list[str] = []
     statuses: dict[str, int] = {}
 
-    def send(name: str, priority: str | None, max_tokens: int) -> None:
+    def send(name: str, priority: str | None, prompt: str, max_tokens: int) -> None:
         headers = {"X-Priority": priority} if priority else {}
-        prompt = "<<slow>> go" if priority is None else "go"
         body = {"model": "demo-a", "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True}
-        reply = httpx.post(one_slot_gateway.url + "/v1/completions", json=body, headers=headers, timeout=120)
+        reply = httpx.post(gateway.url + "/v1/completions", json=body, headers=headers, timeout=120)
         statuses[name] = reply.status_code
         finished.append(name)
 
-    holder = threading.Thread(target=send, args=("holder", None, 200))
+    holder = threading.Thread(target=send, args=("holder", None, "<<slow>> go", 200))
     holder.start()
     threads = [holder]
 
     # The holder is running once the worker holds its slot.
     def holder_runs() -> bool:
         assert holder.is_alive(), "the first request ended early"
-        return any(w["in_flight"] for w in one_slot_gateway.workers())
+        return any(w["in_flight"] for w in gateway.workers())
 
-    wait_until(holder_runs, "the first request holds the only slot", context=one_slot_gateway.log)
-    for depth, (name, priority) in enumerate([("low", "low"), ("normal", "normal"), ("high", "high")], 1):
-        thread = threading.Thread(target=send, args=(name, priority, 4))
+    wait_until(holder_runs, "the first request holds the only slot", context=gateway.log)
+    for depth, (name, priority) in enumerate(queued, 1):
+        thread = threading.Thread(target=send, args=(name, priority, "go", 4))
         thread.start()
         threads.append(thread)
-        wait_for_depth(one_slot_gateway, depth, threads)
+        wait_for_depth(gateway, depth, threads)
     for thread in threads:
         thread.join(timeout=120)
-    assert statuses == {"holder": 200, "low": 200, "normal": 200, "high": 200}
-    assert finished == ["holder", "high", "normal", "low"]
+    assert statuses == dict.fromkeys(["holder", *(name for name, _ in queued)], 200)
+    assert finished[0] == "holder"
+    return finished[1:]
+
+
+def test_higher_classes_leave_a_full_queue_first(one_slot_gateway: GatewayProcess) -> None:
+    queued = [("low", "low"), ("normal", "normal"), ("high", "high")]
+    assert finishing_order(one_slot_gateway, queued) == ["high", "normal", "low"]
+
+
+def test_without_keys_a_request_that_names_no_class_is_normal(one_slot_gateway: GatewayProcess) -> None:
+    # Not high: a client that leaves the header out must not go before one that says normal.
+    queued = [("said-normal", "normal"), ("said-nothing", None), ("said-high", "high")]
+    assert finishing_order(one_slot_gateway, queued) == ["said-high", "said-normal", "said-nothing"]

@@ -96,6 +96,8 @@ def test_keys_file_parses_digests_and_scopes(tmp_path: Path) -> None:
             "key 'x' (entry #1), field 'models': unknown model 'gamma'",
         ),
         (f"{{name: x, key: {ALICE}, models: [alpha], rate_limit_rpm: 0}}", "field 'rate_limit_rpm'"),
+        # The key label of requests without a key: a key of that name would mix with them.
+        (f"{{name: anonymous, key: {ALICE}, models: [alpha]}}", "field 'name': 'anonymous' is what metrics"),
     ],
 )
 def test_keys_file_errors_name_file_entry_and_field(tmp_path: Path, entry: str, expected: str) -> None:

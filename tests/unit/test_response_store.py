@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from pathlib import Path
 
@@ -47,6 +48,35 @@ def test_stored_responses_outlive_the_store_and_belong_to_their_owner(tmp_path: 
         await again.close()
 
     asyncio.run(scenario())
+
+
+def test_stored_prompts_and_outputs_are_readable_by_the_gateway_user_only(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "state" / "responses.sqlite3"
+    umask = os.umask(0o022)  # the usual one: files 644, folders 755 unless asked otherwise
+    try:
+
+        async def scenario() -> None:
+            store = SqliteResponseStore(path, retention_s=3600)
+            await store.put(record("resp_1", "a"))
+            await store.close()
+
+        asyncio.run(scenario())
+    finally:
+        os.umask(umask)
+    for made in [path, path.parent, *path.parent.glob("responses.sqlite3-*")]:
+        assert made.stat().st_mode & 0o077 == 0, f"{made.name} is open to others"
+    path.chmod(0o644)  # an existing file that others may read: kept as it is, and warned about
+
+    async def reopen() -> None:
+        store = SqliteResponseStore(path, retention_s=3600)
+        await store.put(record("resp_2", "a"))
+        await store.close()
+
+    with caplog.at_level(logging.WARNING, logger="gateway.state.sqlite_store"):
+        asyncio.run(reopen())
+    assert "readable by others" in caplog.text
 
 
 def test_the_configured_backend_and_path(tmp_path: Path) -> None:
