@@ -1,26 +1,37 @@
-"""Embedding requests answered in batches: every Embed drained from the socket in one turn of the
-serve loop goes through the model together, one engine batch (`max_batch_size` inputs, sorted by
-length so padding stays small) at a time.
+"""Embedding requests answered in batches: every Embed that reached the engine thread by one turn of
+the serve loop goes through the model together, one engine batch (`max_batch_size` inputs, sorted
+by length so padding stays small) at a time.
 
-Runs in the worker process, on the serve loop's thread. Owns the queue of Embed messages and the
-checks their inputs pass (empty, too long, token ids out of range), answered as Rejected. One turn
-can hold minutes of work (every queued request's inputs) in which the serve loop sends nothing, so
-between engine batches it calls the loop's heartbeat once one is due: without it the gateway would
-judge the worker hung after `heartbeat_timeout_s`, kill it and fail every request it held.
-While tracing is on, each traced Embed's span (model_worker.tracing) runs from its batch to its answer.
+Runs in the worker process, on the serve loop's (engine) thread, where it only runs the model: each
+Embed arrives prepared by the prompt thread (model_worker.prompt_desk: its inputs tokenized and
+checked, or the rejection to answer it with). Owns the queue of prepared Embeds, the turn that runs
+them, and which of the turn's requests are still wanted. A turn can hold minutes of work (every
+queued request's inputs), so between engine batches it
+- calls the loop's heartbeat once one is due: without it the gateway would judge the worker hung
+  after `heartbeat_timeout_s`, kill it and fail every request it held;
+- takes what the link has passed on since (`arrived`): a Cancel (the request's deadline passed, or
+  its client left) drops that request's inputs not yet run, and it is never answered, as a
+  cancelled generation is not (the gateway has forgotten it).
+While a turn runs the worker is busy (`busy`, model_worker.jobs): its heartbeats report no idle time.
+While tracing is on, each traced Embed's span (model_worker.tracing) runs from its arrival to its
+answer (or its cancel).
 """
 
 from __future__ import annotations
 
+import collections
 import time
 from collections.abc import Callable
 
 from model_worker.engines.base import Embeds, Engine, RequestRejected
+from model_worker.prompt_desk import PreparedEmbed
 from model_worker.tracing import JobSpans
 from wire import messages as wire
 from wire.params import WorkerSpec
 from wire.results import RejectCode
 from wire.stats import EngineInfo
+
+EmbedCall = Callable[[list[list[int]]], list[list[float]]]
 
 
 class EmbeddingBatch:
@@ -32,62 +43,103 @@ class EmbeddingBatch:
         send: Callable[[wire.Message], None],
         spans: JobSpans | None = None,
         heartbeat: Callable[[], None] | None = None,
+        arrived: Callable[[], None] | None = None,
+        busy: Callable[[bool], None] | None = None,
     ) -> None:
         self.engine, self.info, self.spec, self.send = engine, info, spec, send
         self.spans = spans  # the worker's job spans while tracing is on (shared with JobDesk)
         self.heartbeat = heartbeat  # the serve loop's: sends one Heartbeat frame now
-        self.queue: list[wire.Embed] = []
+        self.arrived = arrived  # the serve loop's: handles what the link has passed on since
+        self.busy = busy  # JobDesk's: whether a turn runs, for the idle time the worker reports
+        self.queue: list[PreparedEmbed] = []
+        self._wanted: set[str] = set()  # the running turn's requests, until answered or cancelled
         self._last_beat = time.monotonic()
 
+    def add(self, prepared: PreparedEmbed) -> None:
+        """An Embed as the prompt thread prepared it: answered in the next turn, with the others."""
+        if self.spans is not None:
+            self.spans.start(prepared.message)
+        self.queue.append(prepared)
+
+    def cancel(self, rid: str) -> bool:
+        """The gateway gave up on the request: its inputs not run yet never are, and no answer goes
+        out. False if it is not here (answered already, or an id of some other kind)."""
+        queued = [p for p in self.queue if p.message.rid == rid]
+        if queued:
+            self.queue = [p for p in self.queue if p.message.rid != rid]
+        elif rid in self._wanted:
+            self._wanted.discard(rid)
+        else:
+            return False
+        if self.spans is not None:
+            self.spans.cancelled(rid)
+        return True
+
     def run(self) -> None:
-        """Every Embed queued so far, through the model together; one Embeddings reply each."""
-        batch = list(self.queue)
-        self.queue.clear()
+        """Every Embed queued so far, through the model together; one reply each, unless cancelled."""
+        turn, self.queue = self.queue, []  # what arrives meanwhile waits for the next turn
         self._last_beat = time.monotonic()  # the serve loop's own beat is at most an interval old
-        spans = self.spans
-        if spans is not None:
-            for msg in batch:
-                spans.start(msg)
+        if self.busy is not None:
+            self.busy(True)
+        try:
+            self._run(turn)
+        finally:
+            self._wanted.clear()
+            if self.busy is not None:
+                self.busy(False)
+
+    def _run(self, turn: list[PreparedEmbed]) -> None:
         embed = self.engine.embed if isinstance(self.engine, Embeds) else None
-        accepted: list[tuple[wire.Embed, list[list[int]]]] = []
-        for msg in batch:
-            try:
-                if embed is None or self.spec.task != "embed":
-                    raise RequestRejected(
-                        RejectCode.INVALID_REQUEST,
-                        f"model '{self.spec.name}' is not an embedding model",
-                        "model",
-                    )
-                accepted.append((msg, self._inputs(msg)))
-            except RequestRejected as exc:
-                self.send(wire.Rejected(msg.rid, exc.code, exc.message, exc.param))
-                if spans is not None:
-                    spans.rejected(msg.rid, exc.code.value)
+        accepted: list[tuple[str, list[list[int]]]] = []
+        for prepared in turn:
+            rid, rejection = prepared.message.rid, prepared.rejection
+            if rejection is None and embed is None:  # the prompt desk refuses these first
+                message = f"model '{self.spec.name}' is not an embedding model"
+                rejection = RequestRejected(RejectCode.INVALID_REQUEST, message, "model")
+            if rejection is not None:
+                self.send(wire.Rejected(rid, rejection.code, rejection.message, rejection.param))
+                if self.spans is not None:
+                    self.spans.rejected(rid, rejection.code.value)
+                continue
+            assert prepared.inputs is not None  # a PreparedEmbed holds inputs or a rejection
+            accepted.append((rid, prepared.inputs))
         if not accepted:
             return
         assert embed is not None
-        vectors = self._embed_in_batches(embed, [ids for _, inputs in accepted for ids in inputs])
-        start = 0
-        for msg, inputs in accepted:
-            count = len(inputs)
+        self._wanted = {rid for rid, _ in accepted}
+        vectors = self._embed_in_batches(embed, accepted)
+        for (rid, inputs), request_vectors in zip(accepted, vectors, strict=True):
+            if rid not in self._wanted:  # cancelled meanwhile
+                continue
             tokens = sum(len(ids) for ids in inputs)
-            self.send(wire.Embeddings(msg.rid, vectors[start : start + count], tokens))
-            if spans is not None:
-                spans.embedded(msg.rid, tokens)
-            start += count
+            self.send(wire.Embeddings(rid, request_vectors, tokens))
+            if self.spans is not None:
+                self.spans.embedded(rid, tokens)
 
     def _embed_in_batches(
-        self, embed: Callable[[list[list[int]]], list[list[float]]], inputs: list[list[int]]
-    ) -> list[list[float]]:
-        """One vector per input, in order; the model sees one engine batch at a time."""
-        order = sorted(range(len(inputs)), key=lambda i: len(inputs[i]))
-        vectors: list[list[float]] = [[] for _ in inputs]
+        self, embed: EmbedCall, accepted: list[tuple[str, list[list[int]]]]
+    ) -> list[list[list[float]]]:
+        """Each request's vectors, in its inputs' order; the model sees one engine batch at a time,
+        and never the inputs of a request cancelled before their batch."""
+        entries = [
+            (n, index, ids) for n, (_, inputs) in enumerate(accepted) for index, ids in enumerate(inputs)
+        ]
+        order = collections.deque(sorted(entries, key=lambda entry: len(entry[2])))
+        vectors: list[list[list[float]]] = [[[] for _ in inputs] for _, inputs in accepted]
         size = max(self.info.max_batch_size, 1)
-        for start in range(0, len(order), size):
-            indices = order[start : start + size]
-            for i, vector in zip(indices, embed([inputs[i] for i in indices]), strict=True):
-                vectors[i] = vector
+        while order:
+            batch: list[tuple[int, int, list[int]]] = []
+            while order and len(batch) < size:
+                entry = order.popleft()
+                if accepted[entry[0]][0] in self._wanted:
+                    batch.append(entry)
+            if not batch:
+                break
+            for (n, index, _), vector in zip(batch, embed([ids for _, _, ids in batch]), strict=True):
+                vectors[n][index] = vector
             self._beat_if_due()
+            if self.arrived is not None:
+                self.arrived()  # a Cancel for one of this turn's requests takes effect from here on
         return vectors
 
     def _beat_if_due(self) -> None:
@@ -95,28 +147,3 @@ class EmbeddingBatch:
         if self.heartbeat is not None and now - self._last_beat >= self.spec.heartbeat_interval_s:
             self._last_beat = now
             self.heartbeat()
-
-    def _inputs(self, msg: wire.Embed) -> list[list[int]]:
-        if msg.texts is not None:
-            inputs = []
-            for text in msg.texts:
-                inputs.append(self.engine.encode(text, add_special_tokens=True))
-                self._beat_if_due()  # megabytes of text take the tokenizer seconds
-        else:
-            inputs = [list(ids) for ids in msg.token_ids or []]
-        limit, vocab = self.info.max_seq_len, self.info.vocab_size
-        for ids in inputs:
-            if not ids:
-                raise RequestRejected(RejectCode.INVALID_PROMPT, "An input is empty.", "input")
-            if len(ids) > limit:
-                raise RequestRejected(
-                    RejectCode.CONTEXT_LENGTH_EXCEEDED,
-                    f"This model's maximum context length is {limit} tokens, however an input has "
-                    f"{len(ids)} tokens.",
-                    "input",
-                )
-            if any(not 0 <= t < vocab for t in ids):
-                raise RequestRejected(
-                    RejectCode.INVALID_TOKENS, f"Token ids must be in [0, {vocab}).", "input"
-                )
-        return inputs

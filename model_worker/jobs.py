@@ -61,7 +61,8 @@ class JobDesk:
         self._starts_pending = False
         # Prompt logprobs computed at submit, sent with the job's first output.
         self._prompt_logprobs: dict[str, list[TokenLogprob]] = {}
-        self._idle_since = time.monotonic()  # when it last held a job (or started)
+        self._idle_since = time.monotonic()  # when it last held a job or embedded (or started)
+        self._embedding = False  # an embedding turn runs (model_worker.embedding_batch)
         # Engines that enforce constraints with lm-format-enforcer (they build its tokenizer data in
         # prepare_constraints) get their parsers compiled ahead; exllamav3 compiles its own
         # (llguidance, lazily, in Rust) when the job is submitted.
@@ -86,14 +87,23 @@ class JobDesk:
 
     def load(self) -> WorkerLoad:
         """What the heartbeat reports: jobs held against the cap (`yours` is the link's to fill in),
-        and how long it has held none (measured at heartbeats: within an interval)."""
+        and how long it has held none and embedded nothing (measured at heartbeats: within an
+        interval, or at the end of an embedding turn)."""
         active = len(self.live) + len(self._parked)
         queued = len(self._queued)
         now = time.monotonic()
-        if active or queued:
+        busy = active or queued or self._embedding
+        if busy:
             self._idle_since = now
-        idle_s = round(now - self._idle_since, 3) if not (active or queued) else 0.0
+        idle_s = round(now - self._idle_since, 3) if not busy else 0.0
         return WorkerLoad(active, queued, self.spec.max_jobs, self.spec.max_queue, active + queued, idle_s)
+
+    def embedding(self, running: bool) -> None:
+        """An embedding turn starts or ends: embedding requests hold no job here, but a worker busy
+        with them is not idle (the leading gateway would unload it), and its idle time counts from
+        the end of the last turn."""
+        self._embedding = running
+        self._idle_since = time.monotonic()
 
     def _full(self) -> bool:
         cap = self.spec.max_jobs

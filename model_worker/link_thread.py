@@ -4,11 +4,12 @@ Runs in the worker process, on two threads of its own beside the engine thread
 (model_worker.serve_loop). The link thread owns the socket from `start()` to `close()`: it reads
 and decodes every frame from the gateway, and encodes and sends every frame to it (handed over as
 messages by `send()`), so it is never busy for long. The prompt thread prepares generation prompts
-(chat template, tokenizer and the shared checks, through model_worker.prompt_desk) and answers
-Tokenize and Detokenize: a long prompt takes it a while, and in that time neither the engine's
-steps nor the frames that carry their tokens wait for it. Every message for the engine thread
-passes through the prompt thread in arrival order (a Cancel never overtakes its Generate), and the
-engine thread takes them from `take()`.
+(chat template, tokenizer and the shared checks, through model_worker.prompt_desk) and embedding
+inputs (tokenized and checked), and answers Tokenize and Detokenize: a long prompt or text takes it
+a while, and in that time neither the engine's steps, its heartbeats, nor the frames that carry
+their tokens wait for it. Every message for the engine thread passes through the prompt thread in
+arrival order (a Cancel never overtakes its Generate or Embed), and the engine thread takes them
+from `take()`.
 
 Nothing is ever dropped: when ZeroMQ's queue to the gateway is full, the frame waits here and
 `send()` waits once the bounded hand-over queue is full too (backpressure: the engine pauses while
@@ -103,6 +104,7 @@ class LinkThread:
         )
         self._handlers: dict[type[wire.Message], Callable[[Any], None]] = {
             wire.Generate: self._on_generate,
+            wire.Embed: self._on_embed,
             wire.Tokenize: self._on_tokenize,
             wire.Detokenize: self._on_detokenize,
         }
@@ -156,7 +158,7 @@ class LinkThread:
         self._ring()
 
     def take(self, timeout_s: float) -> list[Any]:
-        """What arrived for the engine thread, oldest first (prepared jobs and wire messages);
+        """What arrived for the engine thread, oldest first (prepared jobs and embeds, wire messages);
         waits up to timeout_s for the first item. Raises the link's failure."""
         items: list[Any] = []
         inbound = self._inbound
@@ -335,7 +337,7 @@ class LinkThread:
             handler = self._handlers.get(type(message))
             if handler is not None:
                 handler(message)
-            else:  # cancels, embeddings, shutdown, reintroduce: as they are, in their turn
+            else:  # cancels, shutdown, reintroduce: as they are, in their turn
                 self._inbound.put(message)
 
     def _on_generate(self, msg: wire.Generate) -> None:
@@ -345,6 +347,10 @@ class LinkThread:
         # job (it joins the next step), never waits for one already handed over.
         self._generates_prepared += 1
         self._inbound.put(prepared)
+
+    def _on_embed(self, msg: wire.Embed) -> None:
+        assert self._desk is not None
+        self._inbound.put(self._desk.prepare_embed(msg))
 
     def _on_tokenize(self, msg: wire.Tokenize) -> None:
         assert self._desk is not None

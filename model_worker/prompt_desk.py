@@ -4,8 +4,11 @@ Runs in the worker process, on the prompt thread (model_worker.link_thread). Own
 Generate needs before an engine can take it, none of which touches the engine: rendering chat
 messages with the model's template, tokenizing with a tokenizer the engine hands out for another
 thread (`Engine.text_codec`), and the shared checks (engines.validation). A Generate becomes a
-`PreparedJob`: its ids, or the rejection to answer it with. Tokenize and Detokenize are answered
-here outright. A long prompt is tokenized here while the engine keeps stepping every other job.
+`PreparedJob`: its ids, or the rejection to answer it with; an Embed likewise becomes a
+`PreparedEmbed`, its inputs tokenized and checked (empty, too long, ids out of range, not an
+embedding model), so that the engine thread only runs them (model_worker.embedding_batch).
+Tokenize and Detokenize are answered here outright. A long prompt or embedding text is tokenized
+here while the engine keeps stepping every other job and the engine thread keeps its heartbeat.
 """
 
 from __future__ import annotations
@@ -28,6 +31,15 @@ class PreparedJob:
 
     message: wire.Generate
     prompt_ids: list[int] | None
+    rejection: RequestRejected | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedEmbed:
+    """An Embed with its inputs' ids, in order, or the reason it cannot run (exactly one is set)."""
+
+    message: wire.Embed
+    inputs: list[list[int]] | None
     rejection: RequestRejected | None = None
 
 
@@ -57,6 +69,38 @@ class PromptDesk:
         except RequestRejected as exc:
             return PreparedJob(msg, None, exc)
         return PreparedJob(msg, prompt_ids)
+
+    def prepare_embed(self, msg: wire.Embed) -> PreparedEmbed:
+        try:
+            if self.spec.task != "embed":
+                raise RequestRejected(
+                    RejectCode.INVALID_REQUEST, f"model '{self.spec.name}' is not an embedding model", "model"
+                )
+            inputs: list[list[int]] = []
+            # Each input is checked as it is tokenized: a text that is too long refuses the request
+            # before the texts after it cost the tokenizer anything.
+            for text in msg.texts or []:
+                inputs.append(self._check_input(self.codec.encode(text, add_special_tokens=True)))
+            for ids in msg.token_ids or []:
+                inputs.append(self._check_input(list(ids)))
+        except RequestRejected as exc:
+            return PreparedEmbed(msg, None, exc)
+        return PreparedEmbed(msg, inputs)
+
+    def _check_input(self, ids: list[int]) -> list[int]:
+        limit, vocab = self.info.max_seq_len, self.info.vocab_size
+        if not ids:
+            raise RequestRejected(RejectCode.INVALID_PROMPT, "An input is empty.", "input")
+        if len(ids) > limit:
+            raise RequestRejected(
+                RejectCode.CONTEXT_LENGTH_EXCEEDED,
+                f"This model's maximum context length is {limit} tokens, however an input has "
+                f"{len(ids)} tokens.",
+                "input",
+            )
+        if any(not 0 <= t < vocab for t in ids):
+            raise RequestRejected(RejectCode.INVALID_TOKENS, f"Token ids must be in [0, {vocab}).", "input")
+        return ids
 
     def tokenize(self, msg: wire.Tokenize) -> wire.Tokens | wire.Rejected:
         try:

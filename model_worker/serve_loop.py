@@ -36,7 +36,7 @@ from model_worker.handshake_watch import HandshakeWatch
 from model_worker.jobs import JobDesk
 from model_worker.link_thread import LinkThread
 from model_worker.listener import Listener
-from model_worker.prompt_desk import PreparedJob, PromptDesk
+from model_worker.prompt_desk import PreparedEmbed, PreparedJob, PromptDesk
 from model_worker.standby import NOT_LOADED, Standby, StandbyDesk
 from model_worker.step_trace import StepTrace
 from model_worker.tokenizer_info import tokenizer_info
@@ -108,7 +108,7 @@ class Worker:
         self._handlers: dict[type, Callable[[Any], None]] = {
             PreparedJob: self._on_generate,
             wire.Cancel: self._on_cancel,
-            wire.Embed: self._on_embed,
+            PreparedEmbed: self._on_embed,
             wire.Shutdown: self._on_shutdown,
             wire.Retire: self._on_retire,
             wire.Reintroduce: self._on_reintroduce,
@@ -116,7 +116,7 @@ class Worker:
             wire.Unload: self.standby.on_unload,
         }
         # From its start() on, the socket is the link thread's alone. It passes on the messages
-        # handled here; a prepared job stands for each Generate.
+        # handled here; a prepared job stands for each Generate, a prepared embed for each Embed.
         forward = frozenset(t for t in self._handlers if issubclass(t, wire.Message))
         self.link = LinkThread(self._sock, patience_s=SEND_PATIENCE_S, forward=forward, peers=peers)
 
@@ -232,7 +232,8 @@ class Worker:
         self.info = engine.info()
         chat_template = ChatTemplate.for_model(spec.path, spec.chat_template)
         self.jobs = JobDesk(engine, spec, self._send)
-        self.embeddings = EmbeddingBatch(engine, self.info, spec, self._send, self.jobs.spans, self._beat)
+        self.embeddings = EmbeddingBatch(engine, self.info, spec, self._send, self.jobs.spans, self._beat,
+                                         arrived=self._handle_arrived, busy=self.jobs.embedding)  # fmt: skip
         load_s = time.monotonic() - started
         logger.info("model loaded in %.1fs", load_s)
         self.move_to(WorkerState.WARMING, "warm-up generation")
@@ -299,7 +300,8 @@ class Worker:
             # while a job waits for its constraint to compile in the compiler process, or a change
             # of load waits for its report).
             idle = not engine.has_work()
-            timeout_s = 0.0 if not idle else (0.005 if jobs.waiting else interval_s)
+            # Embeds that arrived during the last embedding turn make the next one at once.
+            timeout_s = 0.0 if not idle or embeddings.queue else (0.005 if jobs.waiting else interval_s)
             if idle and jobs.held != reported_held and link.gateways > 1:
                 timeout_s = min(timeout_s, max(last_report + LOAD_REPORT_GAP_S - time.monotonic(), 0.0))
             for item in link.take(timeout_s):
@@ -353,13 +355,14 @@ class Worker:
                     logger.warning("gateway (pid %s) is gone; exiting", self.parent_pid)
                     return
             if self._stop_deadline is not None:
-                if not engine.has_work():
+                if not (engine.has_work() or embeddings.queue):  # Embeds taken during the last turn
                     return
                 if now >= self._stop_deadline:
                     jobs.abort_all("the server is shutting down")
                     return
             unload_at = self.standby.unload_deadline
-            if unload_at is not None and (not (engine.has_work() or jobs.waiting) or now >= unload_at):
+            busy = engine.has_work() or jobs.waiting or embeddings.queue
+            if unload_at is not None and (not busy or now >= unload_at):
                 jobs.abort_all("the model is being unloaded")
                 return
 
@@ -436,15 +439,23 @@ class Worker:
         self._following = prepared.message.following
         self.jobs.generate(prepared)
 
-    def _on_embed(self, msg: wire.Embed) -> None:
+    def _on_embed(self, prepared: PreparedEmbed) -> None:
         if self.embeddings is None:  # a standby worker
-            self._send(wire.Rejected(msg.rid, RejectCode.SHUTTING_DOWN, NOT_LOADED, None))
+            self._send(wire.Rejected(prepared.message.rid, RejectCode.SHUTTING_DOWN, NOT_LOADED, None))
             return
-        self.embeddings.queue.append(msg)  # answered after the socket is drained, batched with the others
+        self.embeddings.add(prepared)  # answered once what has arrived is taken, batched with the others
 
     def _on_cancel(self, msg: wire.Cancel) -> None:
-        if self.jobs is not None and self.jobs.cancel(msg.rid):
+        if self.embeddings is not None and self.embeddings.cancel(msg.rid):
+            logger.debug("cancelled embedding request %s", msg.rid)
+        elif self.jobs is not None and self.jobs.cancel(msg.rid):
             logger.debug("cancelled %s", msg.rid)
+
+    def _handle_arrived(self) -> None:
+        """Between the engine batches of a long embedding turn: what the link has passed on since
+        (a Cancel for one of the turn's requests among it), without waiting."""
+        for item in self.link.take(0.0):
+            self._handlers[type(item)](item)
 
     def _on_reintroduce(self, msg: wire.Reintroduce) -> None:
         self._send(wire.Hello(wire.PROTOCOL_VERSION, self.worker_id, os.getpid()))

@@ -28,7 +28,7 @@ import time
 from typing import TYPE_CHECKING
 
 from model_worker.engines.base import RequestRejected
-from model_worker.prompt_desk import PreparedJob, PromptDesk
+from model_worker.prompt_desk import PreparedEmbed, PreparedJob, PromptDesk
 from wire import messages as wire
 from wire.results import RejectCode
 from wire.states import WorkerState
@@ -51,6 +51,9 @@ class StandbyDesk(PromptDesk):
 
     def prepare(self, msg: wire.Generate) -> PreparedJob:
         return PreparedJob(msg, None, RequestRejected(RejectCode.SHUTTING_DOWN, NOT_LOADED, None))
+
+    def prepare_embed(self, msg: wire.Embed) -> PreparedEmbed:
+        return PreparedEmbed(msg, None, RequestRejected(RejectCode.SHUTTING_DOWN, NOT_LOADED, None))
 
     def tokenize(self, msg: wire.Tokenize) -> wire.Tokens | wire.Rejected:
         return wire.Rejected(msg.rid, RejectCode.SHUTTING_DOWN, NOT_LOADED, None)

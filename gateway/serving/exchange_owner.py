@@ -6,7 +6,9 @@ its answer, so a shutdown drain waits for it, and a shutdown, a reload or an unl
 through `abort` with the same errors a generation gets. An embedding takes one of the replica's
 slots (so the model's queue bounds and 429 apply); tokenize and detokenize take none and go to
 any ready replica. The worker's answer, a refusal, its death, the deadline and an abort all end
-the one `run` call.
+the one `run` call. An embedding that ends unanswered (its deadline, its client gone, an abort) is
+cancelled on its worker, which would otherwise run all its inputs for nobody, holding up the
+requests behind it; tokenize and detokenize are answered too soon for a Cancel to matter.
 """
 
 from __future__ import annotations
@@ -91,10 +93,12 @@ class ExchangeOwner:
             try:
                 reply = exchange.result()
             except asyncio.TimeoutError:
+                self._cancel_on_worker(replica.id, message)
                 raise RequestTimeout("the request timed out") from None
         finally:
             if not exchange.done():
                 exchange.cancel()
+                self._cancel_on_worker(replica.id, message)  # before the await: a second cancel may end it
                 await asyncio.gather(exchange, return_exceptions=True)
         if reply is False:
             raise WorkerFailed(f"the worker for model '{route.config.name}' is unreachable")
@@ -104,6 +108,11 @@ class ExchangeOwner:
         self.ended = True
         self.outcome = 200
         return reply
+
+    def _cancel_on_worker(self, worker_id: str, message: OneShot) -> None:
+        # Sent after the Embed, if that went out at all: an unknown request id is nothing to a worker.
+        if isinstance(message, wire.Embed):
+            self.service.link.send(worker_id, wire.Cancel(message.rid))
 
     # ---- the service's view ----------------------------------------------------------------------
 

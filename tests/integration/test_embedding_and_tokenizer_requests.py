@@ -3,7 +3,7 @@
 
 Each request either does what it asks or is a 400 naming the field; none is coerced into another
 meaning or quietly loses a field. The server section's heartbeat_timeout_s is short, so an embedding
-batch that outlasts it shows whether the worker stays alive through it.
+batch, or the tokenizing of a text, that outlasts it shows whether the worker stays alive through it.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from gateway.demo.embedding_model import make_demo_embedding_model
-from tests.harness import GatewayProcess
+from tests.harness import GatewayProcess, wait_until
 from tests.integration.conftest import demo_entry, write_registry
 
 HEARTBEAT_TIMEOUT_S = 1.5
@@ -95,6 +95,49 @@ def test_a_batch_longer_than_the_heartbeat_timeout_keeps_its_worker(gateway: Gat
     assert took_s > HEARTBEAT_TIMEOUT_S, f"the batch took {took_s:.1f}s: make it larger"
     worker = next(w for w in gateway.workers() if w["model"] == "e")
     assert worker["state"] == "ready" and worker["restarts"] == 0, worker
+
+
+def test_a_text_the_tokenizer_takes_longer_than_the_heartbeat_timeout_over_keeps_its_worker(
+    gateway: GatewayProcess,
+) -> None:
+    # Megabytes of text: seconds of tokenizing on the worker's prompt thread, while its engine
+    # thread beats on. On the engine thread, nothing went out for that long: the gateway judged the
+    # worker hung, killed it, and the request failed with a 503 instead of its 400.
+    text = "the weather today is fine and warm " * 100_000
+    started = time.monotonic()
+    reply = post(gateway, "/v1/embeddings", {"model": "e", "input": text}, timeout=120)
+    took_s = time.monotonic() - started
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert (error["code"], error["param"]) == ("context_length_exceeded", "input"), error
+    assert took_s > HEARTBEAT_TIMEOUT_S, f"the tokenizer took {took_s:.1f}s: make the text longer"
+    worker = next(w for w in gateway.workers() if w["model"] == "e")
+    assert worker["state"] == "ready" and worker["restarts"] == 0, worker
+
+
+def embedded_inputs(gateway: GatewayProcess) -> int:
+    """What the embedding worker's engine has embedded, as of a heartbeat sent after this call."""
+
+    def view() -> dict[str, Any]:
+        return next(w for w in gateway.workers() if w["model"] == "e")
+
+    seen = view()["heartbeats"]
+    settled = wait_until(lambda: (w := view())["heartbeats"] >= seen + 2 and w, "two more heartbeats")
+    return int(settled["stats"]["jobs_finished"])
+
+
+def test_an_embedding_past_its_deadline_stops_running_on_its_worker(gateway: GatewayProcess) -> None:
+    before = embedded_inputs(gateway)
+    # 2048 inputs of 512 tokens: half a minute of engine batches (32 inputs each) on this worker.
+    inputs = [[5 + i % 100] * 512 for i in range(2048)]
+    reply = post(gateway, "/v1/embeddings", {"model": "e", "input": inputs, "timeout": 1.0}, timeout=60)
+    assert reply.status_code == 408, reply.text
+    # The gateway cancelled it on the worker, which drops its inputs after the engine batch in
+    # progress: the next request is answered then, not once the rest of them have run.
+    probe = post(gateway, "/v1/embeddings", {"model": "e", "input": "hello", "timeout": 10.0}, timeout=60)
+    assert probe.status_code == 200, probe.text
+    ran = embedded_inputs(gateway) - before - 1
+    assert ran < len(inputs) / 2, f"{ran} of the timed-out request's {len(inputs)} inputs were embedded"
 
 
 @pytest.mark.parametrize(

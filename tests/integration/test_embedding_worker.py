@@ -1,0 +1,130 @@
+"""An embedding worker drops a request the gateway cancelled between engine batches, and reports
+itself busy, not idle, while it embeds.
+
+Runs in the pytest process, playing the gateway over a real socket in front of one real worker
+process with the transformers demo embedding model. The worker's heartbeats say how many inputs
+its engine has embedded so far (`stats.jobs_finished`) and how long it has been idle (`load.idle_s`).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import zmq
+
+from gateway.demo.embedding_model import make_demo_embedding_model
+from tests.harness import REPO_ROOT
+from wire import messages as wire
+
+# max_batch_size 4: an input of 256 tokens is one of many short engine batches.
+BATCH = 4
+INPUT = [7] * 256
+
+
+class FakeGateway:
+    """The gateway's side of one worker: a ROUTER that reads frames when a test asks."""
+
+    def __init__(self, tmp_path: Path, embed_dir: Path) -> None:
+        spec = {"name": "e", "engine": "transformers", "path": str(embed_dir), "max_seq_len": 512,
+                "engine_settings": {"threads": 1, "max_batch_size": BATCH}, "heartbeat_interval_s": 0.05,
+                "task": "embed"}  # fmt: skip
+        endpoint = f"ipc://{tmp_path}/w.sock"
+        self.ctx = zmq.Context()
+        self.router = self.ctx.socket(zmq.ROUTER)
+        self.router.bind(endpoint)
+        cmd = [sys.executable, "-m", "model_worker", "--connect", endpoint, "--worker-id", "w1",
+               "--spec", json.dumps(spec)]  # fmt: skip
+        with open(tmp_path / "worker.log", "wb") as log:
+            self.worker = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)
+        self.identity = b""
+        self.identity, _ = self.next(wire.Ready)
+
+    def next(self, *kinds: type[wire.Message]) -> tuple[bytes, wire.Message]:
+        while True:
+            if not self.router.poll(120_000):
+                raise TimeoutError(f"no {' or '.join(k.__name__ for k in kinds)} from the worker")
+            identity, frame = self.router.recv_multipart()
+            message = wire.decode(frame)
+            assert not isinstance(message, wire.Fatal), message
+            if isinstance(message, kinds):
+                return identity, message
+
+    def heartbeat(self) -> wire.Heartbeat:
+        _, beat = self.next(wire.Heartbeat)
+        assert isinstance(beat, wire.Heartbeat) and beat.load is not None
+        return beat
+
+    def send(self, message: wire.Message) -> None:
+        self.router.send_multipart([self.identity, wire.encode(message)])
+
+    def close(self) -> None:
+        if self.worker.poll() is None:
+            self.send(wire.Shutdown(5.0))
+            try:
+                self.worker.wait(30)
+            except subprocess.TimeoutExpired:
+                self.worker.kill()
+                self.worker.wait(10)
+        self.router.close(0)
+        self.ctx.term()
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FakeGateway]:
+    root = tmp_path_factory.mktemp("embedding-worker")
+    fake = FakeGateway(root, make_demo_embedding_model(root / "demo-embed", seed=2))
+    try:
+        yield fake
+    finally:
+        fake.close()
+
+
+def embedded(beat: wire.Heartbeat) -> int:
+    return beat.stats.jobs_finished  # the embedding engine counts the inputs it embedded
+
+
+def test_a_request_cancelled_while_its_batches_run_is_dropped(gateway: FakeGateway) -> None:
+    """The gateway gave up on "big" (its deadline passed, or its client left) after its first
+    engine batches: the worker runs none of its later inputs and never answers it, and the request
+    behind it is answered at once instead of after all of them."""
+    count = 400  # a hundred engine batches
+    before = embedded(gateway.heartbeat())
+    gateway.send(wire.Embed("big", None, [INPUT] * count))
+    while embedded(gateway.heartbeat()) == before:  # heartbeats come between engine batches
+        pass
+    gateway.send(wire.Cancel("big"))
+    gateway.send(wire.Embed("probe", ["after the cancel"], None))
+    _, answer = gateway.next(wire.Embeddings, wire.Rejected)
+    # Without the cancel "big" is answered first: "probe" waits for the next turn.
+    assert isinstance(answer, wire.Embeddings), answer
+    assert answer.rid == "probe", f"{answer.rid} was answered first"
+    ran = embedded(gateway.heartbeat()) - before - 1
+    assert 0 < ran < count / 2, f"{ran} of the cancelled request's {count} inputs were embedded"
+
+
+def test_a_worker_busy_embedding_is_not_idle(gateway: FakeGateway) -> None:
+    """Its idle time (what the leading gateway unloads an idle model by) stops while it embeds and
+    counts again from the end of the work, though an embedding holds no generation job."""
+    while (idle_before := gateway.heartbeat().load.idle_s) < 0.5:  # type: ignore[union-attr]
+        pass
+    before = embedded(gateway.heartbeat())
+    count = 200  # fifty engine batches, each with a heartbeat due after it
+    gateway.send(wire.Embed("work", None, [INPUT] * count))
+    during: list[float] = []
+    while True:
+        _, message = gateway.next(wire.Heartbeat, wire.Embeddings, wire.Rejected)
+        if not isinstance(message, wire.Heartbeat):
+            break
+        assert message.load is not None
+        if before < embedded(message) < before + count:  # sent between two of its engine batches
+            during.append(message.load.idle_s)
+    assert isinstance(message, wire.Embeddings) and message.rid == "work", type(message).__name__
+    assert during, "no heartbeat came while the request's batches ran: make it larger"
+    assert set(during) == {0.0}, during
+    after = gateway.heartbeat().load.idle_s  # type: ignore[union-attr]
+    assert after < idle_before, (idle_before, after)
