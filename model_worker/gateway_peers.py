@@ -98,9 +98,12 @@ class GatewayPeers:
             self._owners[message.rid] = peer
             known.jobs.add(message.rid)
         elif isinstance(message, wire.Cancel):
-            if self._owners.get(message.rid) != peer:
+            if self._exchanges.get(message.rid) == peer:  # an embedding it no longer waits for
+                del self._exchanges[message.rid]
+            elif self._owners.get(message.rid) != peer:
                 return False, replies, cancels  # not its job (or already over): nothing to cancel
-            self._forget_job(message.rid)
+            else:
+                self._forget_job(message.rid)
         elif isinstance(message, (wire.Tokenize, wire.Detokenize, wire.Embed)):
             self._exchanges[message.rid] = peer
         return True, replies, cancels
@@ -120,14 +123,15 @@ class GatewayPeers:
         rids = sorted(known.jobs)
         for rid in rids:
             self._owners.pop(rid, None)
-        for rid in [r for r, p in self._exchanges.items() if p == peer]:
+        exchanges = [r for r, p in self._exchanges.items() if p == peer]
+        for rid in exchanges:  # embeddings nobody waits for any more stop between engine batches
             del self._exchanges[rid]
         if rids:
             self._orphaned[peer] = rids
             while len(self._orphaned) > MAX_ORPHANED:
                 self._orphaned.popitem(last=False)
         logger.warning("gateway %s is gone (%s); cancelling its %d job(s)", _name(peer), why, len(rids))
-        return rids
+        return rids + exchanges
 
     # ---- outbound ------------------------------------------------------------------------------
 

@@ -96,3 +96,21 @@ def test_after_an_unload_a_late_gateway_hears_only_the_standby_and_what_followed
 
 def _info() -> wire.EngineInfo:
     return wire.EngineInfo("transformers", "1", 64, 1, 16, 100, False, [])
+
+
+def _embed(rid: str) -> wire.Embed:
+    return wire.Embed(rid, ["some text"], None)
+
+
+def test_an_embedding_is_cancelled_by_the_gateway_that_sent_it_or_when_that_gateway_is_gone() -> None:
+    """An embedding nobody waits for any more stops between its engine batches (model_worker.
+    embedding_batch): the Cancel of the gateway that sent it passes, another gateway's does not, and
+    a gateway that is gone takes its embeddings with it."""
+    peers = _ready_peers()
+    for peer, rid in ((A, "ea"), (B, "eb"), (A, "ea2")):
+        assert peers.on_frame(peer, _embed(rid), now=0.0)[0]
+    assert not peers.on_frame(B, wire.Cancel("ea"), now=0.0)[0]
+    assert peers.on_frame(A, wire.Cancel("ea"), now=0.0)[0]
+    assert not peers.on_frame(A, wire.Cancel("ea"), now=0.0)[0]  # once: it is no longer A's
+    peers.on_frame(B, wire.Ping(), now=1.5)
+    assert peers.expire(now=2.5) == ["ea2"]

@@ -3,9 +3,10 @@
 Runs in a worker process whose model is declared `task: embed`, driven by the serve loop's single
 thread. Owns the model as sentence-transformers loads it from the folder (modules.json: the
 transformer, the model's own pooling from 1_Pooling/config.json, Normalize when listed), so the
-pooling and normalization are the model's, not ours. Inputs arrive as token ids (the serve loop
-tokenizes texts with this engine's tokenizer, which also counts usage); `embed` runs them in
-batches of `max_batch_size`, sorted by length so padding stays small. It generates nothing:
+pooling and normalization are the model's, not ours. Inputs arrive as token ids (the worker's
+prompt thread tokenizes texts with this engine's `text_codec`, which also counts usage); `embed`
+runs them in batches of `max_batch_size`, sorted by length so padding stays small
+(model_worker.embedding_batch already hands it one such batch at a time). It generates nothing:
 `submit` refuses, and it never has work to step.
 """
 
