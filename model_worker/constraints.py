@@ -43,9 +43,14 @@ _UNBOUNDED = sre_parse.MAXREPEAT
 MAX_REFUSED_REMEMBERED = 256
 
 
+class Unenforceable(ValueError):
+    """A valid regular expression that the enforcer would get wrong."""
+
+
 def estimated_states(pattern: str) -> int:
     """Roughly how many states the pattern's automaton has: bounded repeats multiply the states of
-    what they repeat, alternatives add up. ValueError for a pattern Python cannot parse."""
+    what they repeat, alternatives add up. ValueError for a pattern Python cannot parse, or one
+    with a lookaround."""
     try:
         tree = sre_parse.parse(pattern)
     except Exception as exc:  # re.error, or deeper trouble with hostile input
@@ -62,7 +67,11 @@ def estimated_states(pattern: str) -> int:
                 total += size(argument[-1])
             elif name == "BRANCH":
                 total += sum(size(branch) for branch in argument[1])
-            elif name in ("ASSERT", "ASSERT_NOT", "ATOMIC_GROUP"):
+            elif name in ("ASSERT", "ASSERT_NOT"):
+                # interegular reads a lookaround as something else (`a+(?=b)` matches "ab"), and the
+                # enforcer then allows what the pattern forbids.
+                raise Unenforceable("lookarounds ((?=...), (?!...), (?<=...), (?<!...)) are not supported")
+            elif name == "ATOMIC_GROUP":
                 total += size(argument[-1])
             else:
                 total += 1
@@ -102,9 +111,10 @@ class ConstraintCompiler:
             try:
                 states = estimated_states(pattern)
             except ValueError as exc:
+                what = "cannot be enforced" if isinstance(exc, Unenforceable) else "is invalid"
                 raise RequestRejected(
                     RejectCode.INVALID_RESPONSE_FORMAT,
-                    f"the regular expression is invalid: {exc}",
+                    f"the regular expression {pattern[:60]!r} {what}: {exc}",
                     "response_format",
                 ) from None
             if states > self.max_states:

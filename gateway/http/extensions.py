@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gateway.errors import InvalidRequest
+from gateway.http.json_body import MAX_JSON_DEPTH
 
 # A schema travels in every Generate frame and is parsed per job; real ones are a few KB.
 MAX_SCHEMA_CHARS = 64 * 1024
@@ -65,14 +66,32 @@ def schema_text(schema: Any, where: str) -> str:
     if isinstance(schema, str):
         try:
             schema = json.loads(schema)
+        except RecursionError:
+            schema = None  # nested past what the parser can recurse: refused below, as too deep
         except ValueError:
             raise ValueError(f"{where} is not valid JSON") from None
+        # A schema given as text escaped the body's depth check; deeper ones fail where only a 500
+        # could say so (the gateway's own json.dumps, the worker's compile).
+        if schema is None or _depth(schema) > MAX_JSON_DEPTH:
+            raise ValueError(f"{where} nests deeper than {MAX_JSON_DEPTH} levels")
     if not isinstance(schema, dict):
         raise ValueError(f"{where} must be a JSON object")
     text = json.dumps(schema, separators=(",", ":"))
     if len(text) > MAX_SCHEMA_CHARS:
         raise ValueError(f"{where} must be at most {MAX_SCHEMA_CHARS} characters as JSON")
     return text
+
+
+def _depth(value: Any) -> int:
+    deepest, pending = 0, [(value, 1)]
+    while pending:
+        node, depth = pending.pop()
+        if isinstance(node, (dict, list)):
+            deepest = max(deepest, depth)
+            pending.extend(
+                (child, depth + 1) for child in (node.values() if isinstance(node, dict) else node)
+            )
+    return deepest
 
 
 def choice_regex(choices: list[str]) -> str:

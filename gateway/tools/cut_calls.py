@@ -5,7 +5,7 @@ constrained to a compact JSON array of `{"name": ..., "parameters": {...}}`; whe
 it early, OpenAI still answers with the calls, each with the arguments generated so far (JSON text
 that may stop anywhere). This scanner walks the array as far as it goes and returns, per item,
 the tool's name and the raw text of its `parameters` (a name cut short counts when it is the start
-of exactly one tool's name; an item cut before its name is left out).
+of exactly one tool's name; an item cut before its name counts only when there is one tool).
 """
 
 from __future__ import annotations
@@ -64,8 +64,8 @@ def _item(text: str, at: int) -> tuple[tuple[str, bool] | None, str, int | None]
 
 
 def _tool_named(name: tuple[str, bool] | None, names: list[str]) -> str | None:
-    if name is None:
-        return None
+    if name is None:  # cut before its name: only one tool's item can it be
+        return names[0] if len(names) == 1 else None
     text, complete = name
     if complete:
         return text if text in names else None

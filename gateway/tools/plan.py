@@ -104,8 +104,8 @@ class ToolPlan:
             assert self.named is not None
             return ParsedOutput(None, [ParsedCall(self.named, text)])
         if self.mode == "required":
-            calls = cut_required_calls(text, [t.name for t in self.tools])
-            return ParsedOutput(None, calls) if calls else ParsedOutput(text or None, [])
+            # Cut before any call has a name: no call, and never the constrained JSON as content.
+            return ParsedOutput(None, cut_required_calls(text, [t.name for t in self.tools]))
         return self.read(text)
 
     def read_final(self, text: str, cut: bool) -> ParsedOutput:
@@ -118,8 +118,15 @@ class ToolPlan:
 
 def tool_specs(tools: list[dict[str, Any]]) -> list[ToolSpec]:
     specs = []
-    for tool in tools:
+    for index, tool in enumerate(tools):
         function = tool["function"]
+        kind = (function.get("parameters") or {}).get("type", "object")
+        if kind != "object":
+            # As OpenAI: arguments are a JSON object, so a schema of any other type can never match.
+            raise InvalidRequest(
+                f"tool '{function['name']}': parameters must be a JSON schema of type object, not {kind!r}",
+                param=f"tools.{index}.function.parameters",
+            )
         specs.append(
             ToolSpec(function["name"], function.get("description"), function.get("parameters") or {})
         )

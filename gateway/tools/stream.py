@@ -57,7 +57,8 @@ class ToolCallStream:
             return [], True
         parsed = self.plan.read_final(self.text, cut)
         if not parsed.calls:
-            return self._content(self.text[self.sent :], len(self.text)), False
+            rest = self.text[self.sent :] if parsed.content is not None else ""
+            return self._content(rest, len(self.text)), False
         deltas = [
             self._call_delta(index, call.name, call.arguments, with_header=True)
             for index, call in enumerate(parsed.calls)

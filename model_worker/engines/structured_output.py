@@ -25,6 +25,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from model_worker.engines.base import RequestRejected
+from model_worker.engines.json_schema_subset import enforceable, schemas_within
 from wire.params import SamplingParams
 from wire.results import RejectCode
 
@@ -168,6 +169,9 @@ def _new_parser(params: SamplingParams) -> Any:
                 f"the regular expression cannot be enforced: {_first_line(exc)}",
                 "regex",
             ) from None
+    from lmformatenforcer import jsonschemaparser as lmfe
+    from lmformatenforcer.external.jsonschemaobject import JsonSchemaObject
+
     _fix_json_parser()
     schema = _ANY_OBJECT_SCHEMA
     if params.json_schema is not None:
@@ -177,10 +181,22 @@ def _new_parser(params: SamplingParams) -> Any:
             raise _invalid("json_schema.schema is not valid JSON") from None
         if not isinstance(schema, dict):
             raise _invalid("json_schema.schema must be a JSON object")
-    config = CharacterLevelParserConfig(max_consecutive_whitespaces=0) if params.compact_json else None
+    try:
+        schema = enforceable(schema)
+    except ValueError as exc:
+        raise _invalid(f"the JSON schema cannot be enforced: {exc}") from None
+    # Required keys in the schema's order, as OpenAI, xgrammar and llguidance write them: a cut tool
+    # call then always has its name before its arguments.
+    config = CharacterLevelParserConfig(force_json_field_order=True)
+    if params.compact_json:
+        config.max_consecutive_whitespaces = 0
     try:
         parser = JsonSchemaParser(schema, config=config)
-        parser.whitespace_limit = config.max_consecutive_whitespaces if config else None
+        parser.kept_config = (config.max_consecutive_whitespaces, True)
+        # The enforcer builds a value's parser only when generation reaches it; build each once now,
+        # so that what it cannot build is a refusal, not a job that ends in broken JSON.
+        for node in schemas_within(schema):
+            lmfe.get_parser(parser, JsonSchemaObject(**node))
         return parser
     except Exception as exc:  # pydantic and lm-format-enforcer raise many types for a bad schema
         raise _invalid(f"the JSON schema cannot be enforced: {_first_line(exc)}") from None
@@ -188,7 +204,7 @@ def _new_parser(params: SamplingParams) -> Any:
 
 @functools.cache
 def _fix_json_parser() -> None:
-    """Fix three lm-format-enforcer 0.11.3 parser bugs that let invalid output through. Once per process.
+    """Fix four lm-format-enforcer 0.11.3 parser bugs that let invalid output through. Once per process.
 
     Patched on the classes, because the library builds its parser states itself. The fixes only
     remove wrong outcomes; tests/unit/test_structured_output.py pins them.
@@ -199,7 +215,10 @@ def _fix_json_parser() -> None:
       `" abc"` counts as three characters against maxLength (and enum values starting with a space
       cannot be written). Inside the quotes it is part of the string.
     - An integer may take a fraction or an exponent (`-0.5`, `2e-3`, `1e999`): only digits are kept.
+    - An enum of booleans is written `True`, one of mixed types or a non-string const fails: every
+      enum value is written as its own JSON text (json_schema_subset turns a const into an enum).
     """
+    from lmformatenforcer import UnionParser
     from lmformatenforcer import jsonschemaparser as lmfe
 
     object_class, key_or_end = lmfe.ObjectParsingState, lmfe.ObjectParsingStage.PARSING_KEY_OR_END
@@ -232,9 +251,27 @@ def _fix_json_parser() -> None:
         allowed = str(number_allowed(self))
         return allowed if self.allow_floating_point else allowed.translate(_NO_FRACTION)
 
+    library_get_parser = lmfe.get_parser
+
+    def get_parser(state: Any, value_schema: Any) -> Any:
+        values = value_schema.enum if value_schema is not None and not value_schema.anyOf else None
+        if not values:
+            return library_get_parser(state, value_schema)
+        # Each value written exactly as its JSON text; strings as their text between the quotes.
+        texts = [json.dumps(v, ensure_ascii=False) for v in values]
+        strings = [t[1:-1] for t in texts if t.startswith('"')]
+        others = [t for t in texts if not t.startswith('"')]
+        options = [string_class(state, strings, require_opening_quote=True)] if strings else []
+        if others:
+            options.append(
+                string_class(state, others, require_opening_quote=False, require_closing_quote=False)
+            )
+        return options[0] if len(options) == 1 else UnionParser(options)
+
     object_class.get_allowed_characters = get_allowed_characters
     string_class.add_character = add_character
     number_class.get_allowed_characters = number_allowed_characters
+    lmfe.get_parser = get_parser
 
 
 _NO_FRACTION = str.maketrans("", "", ".eE")
@@ -325,7 +362,7 @@ class JsonConstraint:
         from lmformatenforcer import TokenEnforcer
 
         self.enforcer = TokenEnforcer(tokenizer_data, parser)
-        _keep_whitespace_limit(parser)
+        _keep_config(parser)
         eos = tokenizer_data.eos_token_id
         self.end_ids: list[int] = list(eos) if isinstance(eos, list) else [eos]
         self.rid = rid
@@ -352,17 +389,17 @@ class JsonConstraint:
 def exllamav2_filter(parser: Any, tokenizer_data: Any) -> Any:
     """A per-job exllamav2 filter that enforces `parser`; RequestRejected if it cannot even start."""
     job_filter = _exllamav2_filter_class()(parser, tokenizer_data)
-    _keep_whitespace_limit(parser)
+    _keep_config(parser)
     _check_start(job_filter.token_enforcer)
     return job_filter
 
 
-def _keep_whitespace_limit(parser: Any) -> None:
+def _keep_config(parser: Any) -> None:
     """lm-format-enforcer's TokenEnforcer replaces its parser's config with a default one (keeping
-    only the alphabet); put the job's whitespace limit (compact_json) back."""
-    limit = getattr(parser, "whitespace_limit", None)
-    if limit is not None:
-        parser.config.max_consecutive_whitespaces = limit
+    only the alphabet); put the job's whitespace limit (compact_json) and key order back."""
+    kept = getattr(parser, "kept_config", None)
+    if kept is not None:
+        parser.config.max_consecutive_whitespaces, parser.config.force_json_field_order = kept
 
 
 def _forget_before(enforcer: Any, sequence: list[int]) -> None:

@@ -137,3 +137,55 @@ def test_schema_the_enforcer_cannot_use_is_rejected_by_the_worker(client: openai
     assert body["code"] == "invalid_response_format" and body["param"] == "response_format"
     # The worker is unharmed: the next request is served.
     assert client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4).choices
+
+
+# Valid schemas lm-format-enforcer alone misread: a mixed-type enum failed once generation reached
+# it (the job ended "stop" on `{"a"`), booleans came out as `True`, a scalar oneOf was a dead end.
+MISREAD: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "mixed": {"enum": [1, "two", None, True]},
+        "flag": {"enum": [True, False]},
+        "fixed": {"const": 3},
+        "either": {"oneOf": [{"type": "boolean"}, {"enum": ["x", "y"]}]},
+    },
+    "required": ["mixed", "flag", "fixed", "either"],
+    "additionalProperties": False,
+}
+
+
+def test_schemas_the_enforcer_misread_are_enforced(client: openai.OpenAI) -> None:
+    reply = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=1.0, seed=3, n=3,
+        response_format={"type": "json_schema", "json_schema": {"name": "misread", "schema": MISREAD}},
+    )  # fmt: skip
+    for choice in reply.choices:
+        assert choice.finish_reason == "stop"
+        jsonschema.validate(json.loads(choice.message.content or ""), MISREAD)
+
+
+_DEEP_TEXT = '{"type":"array","items":' * 2000 + "{}" + "}" * 2000
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "says"),
+    [
+        ("response_format", {"type": "json_schema", "json_schema": {"name": "n", "schema": {
+            "type": "object", "properties": {"a": {"type": "frob"}}}}}, "frob"),
+        ("response_format", {"type": "json_schema", "json_schema": {"name": "n", "schema": {
+            "type": "object", "properties": {"t": {"prefixItems": [{"type": "integer"}]}}}}}, "prefixItems"),
+        ("guided_regex", "(?=a)a+", "lookarounds"),
+        ("guided_json", _DEEP_TEXT, "deeper than"),
+    ],
+)  # fmt: skip
+def test_constraints_that_cannot_be_enforced_are_400s_naming_the_field(
+    client: openai.OpenAI, field: str, value: Any, says: str
+) -> None:
+    """Before: a nested unknown type or a prefixItems ended in broken JSON with a 200, a lookahead
+    let any text through, and a schema given as deeply nested text was a 500."""
+    with pytest.raises(openai.BadRequestError) as error:
+        client.chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_tokens=8, extra_body={field: value}
+        )
+    body: Any = error.value.body
+    assert body["param"] == field and says in body["message"]

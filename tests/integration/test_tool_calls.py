@@ -237,3 +237,28 @@ def test_a_required_or_named_call_cut_by_max_tokens_is_still_a_call(
     assert [c.function.name for c in calls if c.function.name] == ["get_weather"]
     assert "".join(c.function.arguments or "" for c in calls) == call.function.arguments
     assert streamed[-1].choices[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_required_call_cut_before_its_name_never_returns_its_json_as_content(
+    client: openai.OpenAI, stream: bool
+) -> None:
+    """The enforcer writes each call's name first; a cut that still ends before the name gives the
+    one tool's call (or, among several tools, none), never the constrained JSON as text."""
+    for tools, max_tokens in (([WEATHER], 3), ([WEATHER, TIME], 3), ([WEATHER], 1)):
+        kwargs = dict(model="m", messages=ASK, tools=tools, tool_choice="required", temperature=0,
+                      max_tokens=max_tokens)  # fmt: skip
+        if stream:
+            chunks = list(client.chat.completions.create(**kwargs, stream=True))  # type: ignore[call-overload]
+            content = "".join(c.choices[0].delta.content or "" for c in chunks)
+            names = [
+                t.function.name for c in chunks for t in c.choices[0].delta.tool_calls or [] if t.function
+            ]
+            finish = chunks[-1].choices[0].finish_reason
+        else:
+            choice = client.chat.completions.create(**kwargs).choices[0]  # type: ignore[call-overload]
+            content = choice.message.content or ""
+            names = [t.function.name for t in choice.message.tool_calls or []]
+            finish = choice.finish_reason
+        assert content == "" and finish == "length", (tools, max_tokens)
+        assert set(names) <= {"get_weather"} if len(tools) == 1 else names == []

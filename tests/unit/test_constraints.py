@@ -30,6 +30,20 @@ def test_size_estimate_follows_the_repeats(pattern: str, low: int, high: int) ->
     assert low <= estimated_states(pattern) <= high
 
 
+@pytest.mark.parametrize("pattern", ["(?=a)a+", "a+(?=b)", "(?!x)[a-c]+", "(?<=a)b", "(?<!a)b"])
+def test_lookarounds_are_refused_before_they_are_compiled(pattern: str) -> None:
+    """interegular reads a lookaround as something else (`a+(?=b)` matched "ab"; `(?=a)a+` let any
+    text through after the "a"), so the enforcer allowed what the pattern forbids."""
+    compiler = ConstraintCompiler(timeout_s=5, max_states=4096)
+    try:
+        for params in (SamplingParams(regex=pattern), schema(pattern)):
+            with pytest.raises(RequestRejected, match="lookarounds") as refused:
+                compiler.needed(params)
+            assert refused.value.code == "invalid_response_format"
+    finally:
+        compiler.close()
+
+
 def schema(pattern: str) -> SamplingParams:
     body = {"type": "object", "properties": {"s": {"type": "string", "pattern": pattern}}}
     return SamplingParams(json_schema=json.dumps(body))

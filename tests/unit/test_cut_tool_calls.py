@@ -7,7 +7,9 @@ import json
 
 import pytest
 
+from gateway.errors import InvalidRequest
 from gateway.tools.cut_calls import cut_required_calls
+from gateway.tools.parsers import ParsedOutput
 from gateway.tools.plan import plan_tools
 from gateway.tools.stream import ToolCallStream
 
@@ -60,3 +62,25 @@ def test_plans_read_cut_calls_and_the_stream_sends_them_at_the_end() -> None:
     assert [(c.name, c.arguments) for c in named.read_final('{"utc": tr', cut=True).calls] == [
         ("get_time", '{"utc": tr')
     ]
+
+
+def test_a_required_call_cut_before_its_name_is_never_content() -> None:
+    """With the enforcer writing `name` first, a cut can still end before the name's value: the one
+    tool there is is the call; among several no call can be told, and the JSON is not content."""
+    one = plan_tools(TOOLS[:1], "required", None, "m", None)
+    for text in ('[{"nam', "[{", "["):
+        parsed = one.read_final(text, cut=True)
+        assert parsed.content is None
+    assert [(c.name, c.arguments) for c in one.read_final('[{"nam', cut=True).calls] == [("get_weather", "")]
+    two = plan_tools(TOOLS, "required", None, "m", None)
+    assert two.read_final('[{"nam', cut=True) == ParsedOutput(None, [])
+    stream = ToolCallStream(two)
+    assert stream.feed('[{"nam') == []
+    assert stream.finish(cut=True) == ([], False)
+
+
+def test_tool_parameters_must_describe_an_object() -> None:
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}
+    with pytest.raises(InvalidRequest) as refused:
+        plan_tools([TOOLS[0], tool], "required", None, "m", None)
+    assert refused.value.param == "tools.1.function.parameters"
