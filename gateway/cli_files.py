@@ -117,7 +117,7 @@ def cmd_keys(args: argparse.Namespace) -> int:
                 public_file, secret_file = zmq.auth.create_certificates(str(folder), name)
             finally:
                 os.umask(umask)
-            Path(public_file).chmod(0o644)
+            Path(public_file).chmod(0o666 & ~umask)  # public: as the caller's umask makes any file
             if args.models:
                 set_models(Path(public_file), args.models)
             print(f"wrote {public_file} (public: share it) and {secret_file} (secret: keep it on its host)")

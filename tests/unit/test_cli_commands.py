@@ -4,6 +4,7 @@ folder, or a minute of work before a path that could never take the result is re
 
 from __future__ import annotations
 
+import os
 import stat
 import subprocess
 import sys
@@ -12,6 +13,9 @@ from pathlib import Path
 import pytest
 
 from tests.harness import REPO_ROOT
+
+UMASK = os.umask(0)
+os.umask(UMASK)
 
 
 def gateway(*args: str) -> subprocess.CompletedProcess[str]:
@@ -52,7 +56,7 @@ def test_keys_secret_is_private_and_public_is_readable(tmp_path: Path) -> None:
     result = gateway("keys", str(tmp_path), "--name", "worker-a.1", "--models", "m1")
     assert result.returncode == 0, result.stderr
     assert stat.S_IMODE((tmp_path / "worker-a.1.key_secret").stat().st_mode) == 0o600
-    assert stat.S_IMODE((tmp_path / "worker-a.1.key").stat().st_mode) == 0o644
+    assert stat.S_IMODE((tmp_path / "worker-a.1.key").stat().st_mode) == 0o666 & ~UMASK
     refused(gateway("keys", str(tmp_path), "--name", "worker-a.1"), "refusing to overwrite a key")
 
 
