@@ -10,7 +10,8 @@ conversation that ends with an assistant turn is continued (Anthropic's prefill)
 is empty. The request becomes a `ChatCompletionRequest`, so sampling defaults, tool plans and
 constraints are the chat route's own. Every other field, a value of the wrong JSON type, and every
 block type that cannot be honoured, is a 400 naming it; so are Anthropic's own refusals of a
-conversation (empty turns, a `tool_result` that answers no `tool_use` of the turn before).
+conversation (empty turns, a `tool_result` that answers no `tool_use` of the turn before, a
+`tool_use` that the next turn does not answer), each naming the message.
 """
 
 from __future__ import annotations
@@ -121,7 +122,7 @@ class MessagesRequest(BaseModel):
             system = self.system if isinstance(self.system, str) else _texts(self.system, "system")
             messages.append(ChatMessage(role="system", content=system))
         last = len(self.messages) - 1
-        calls_before: set[str] = set()  # the tool_use ids of the turn before, which results answer
+        calls_before: list[str] = []  # the tool_use ids of the turn before, which results answer
         for index, message in enumerate(self.messages):
             where = f"messages[{index}].content"
             final_assistant = index == last and message.role == "assistant"
@@ -130,10 +131,18 @@ class MessagesRequest(BaseModel):
             if isinstance(message.content, str):
                 turn = [ChatMessage(role=message.role, content=message.content)]
             elif message.role == "user":
-                turn = _user_turn(message.content, where, calls_before)
+                turn = _user_turn(message.content, where, set(calls_before))
             else:
                 turn = [_assistant_turn(message.content, where)]
-            calls_before = {c.id for c in turn[-1].tool_calls or [] if c.id}
+            # Anthropic refuses a call the next turn leaves unanswered anywhere in the history, not
+            # only before a prefill: the template would render a call without its result.
+            answered = {m.tool_call_id for m in turn if m.role == "tool"}
+            unanswered = [call for call in calls_before if call not in answered]
+            if unanswered:
+                raise _refuse(
+                    "messages", f"messages[{index - 1}]: " + _UNANSWERED_CALL.format(", ".join(unanswered))
+                )
+            calls_before = [c.id for c in turn[-1].tool_calls or [] if c.id]
             if final_assistant:
                 prefill = turn[-1].content
                 if turn[-1].tool_calls:  # a prefill cannot go on after a call: its result comes first

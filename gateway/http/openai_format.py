@@ -85,11 +85,16 @@ def chat_logprobs(entries: list[TokenLogprob]) -> dict[str, Any]:
 
 
 def completion_logprobs(
-    entries: list[TokenLogprob], start_offset: int, prompt: list[TokenLogprob] | None = None
+    entries: list[TokenLogprob],
+    start_offset: int,
+    prompt: list[TokenLogprob] | None = None,
+    prompt_top: int = 0,
 ) -> dict[str, Any]:
     """The completions flavour; with echo, the prompt's entries come first (the first one null).
-    A generated token's `top_logprobs` holds the sampled token first, then the top alternatives
-    (logprobs + 1 entries at most, as OpenAI says and vLLM does; logprobs 0: the sampled one)."""
+    Every token's `top_logprobs`, the prompt's as the generated ones, holds the token itself first,
+    then the top alternatives (logprobs + 1 entries at most, as OpenAI says and vLLM does;
+    logprobs 0: the token alone). `prompt_top` is the request's logprobs: the worker may have
+    scored more alternatives per prompt token, for a larger `prompt_logprobs`."""
     offsets, position = [], 0
     for entry in prompt or []:
         offsets.append(position)
@@ -104,16 +109,16 @@ def completion_logprobs(
         "token_logprobs": [e.logprob for e in every],
         # vLLM's shape: null where there is no logprob (the prompt's first token).
         "top_logprobs": [
-            *(None if e.logprob is None else {t.token: t.logprob for t in e.top} for e in prompt or []),
-            *(_with_sampled(e) for e in entries),
+            *(None if e.logprob is None else _with_token(e, e.top[:prompt_top]) for e in prompt or []),
+            *(_with_token(e, e.top) for e in entries),
         ],
         "text_offset": offsets,
     }
 
 
-def _with_sampled(entry: TokenLogprob) -> dict[str, float | None]:
+def _with_token(entry: TokenLogprob, alternatives: list[TopLogprob]) -> dict[str, float | None]:
     top: dict[str, float | None] = {entry.token: entry.logprob}
-    top.update((t.token, t.logprob) for t in entry.top if t.token != entry.token)
+    top.update((t.token, t.logprob) for t in alternatives if t.token != entry.token)
     return top
 
 
@@ -140,8 +145,9 @@ def prompt_logprobs_body(entries: list[TokenLogprob]) -> list[dict[str, Any] | N
 class ResponseFormatter(Formatter):
     """Builds chunks and final bodies for one request; `chat` picks the flavour.
 
-    `tools` reads tool calls from chat output; `echo_logprobs` puts the prompt's logprobs before
-    the completion's (completions with echo and logprobs); `prompt_logprobs` adds vLLM's field;
+    `tools` reads tool calls from chat output; `echo_logprobs` (the request's logprobs, for
+    completions with echo and logprobs) puts the prompt's logprobs before the completion's, with as
+    many alternatives per token as the generated tokens get; `prompt_logprobs` adds vLLM's field;
     `with_usage` ends a stream with a usage chunk (stream_options.include_usage);
     `continuous_usage` puts the usage so far in every chunk (stream_options.continuous_usage_stats);
     `reasoning` (the model's reasoning parser splits this request's output) adds `reasoning_content`
@@ -154,7 +160,7 @@ class ResponseFormatter(Formatter):
         model: str,
         chat: bool,
         tools: ToolPlan | None = None,
-        echo_logprobs: bool = False,
+        echo_logprobs: int | None = None,
         prompt_logprobs: bool = False,
         with_usage: bool = False,
         continuous_usage: bool = False,
@@ -232,7 +238,7 @@ class ResponseFormatter(Formatter):
         if choice.input.echo and choice.index not in self._echoed:
             self._echoed.add(choice.index)
             echo = choice.input.echo
-        prompt = output.prompt_logprobs if self.echo_logprobs else None
+        prompt = output.prompt_logprobs if self.echo_logprobs is not None else None
         if not (output.text or output.reasoning or output.finish_reason or output.logprobs or echo or prompt):
             return b""
         state = choice.output
@@ -242,7 +248,7 @@ class ResponseFormatter(Formatter):
                 logprobs = chat_logprobs(output.logprobs or [])
             else:
                 start = len(choice.input.echo) + state.text_length - len(output.text)
-                logprobs = completion_logprobs(output.logprobs or [], start, prompt)
+                logprobs = completion_logprobs(output.logprobs or [], start, prompt, self.echo_logprobs or 0)
         finish = output.finish_reason.value if output.finish_reason else None
         if self.chat and self.tools is not None:
             return self._tool_chunks(choice, output, logprobs, finish, with_usage, usage_now)
@@ -340,10 +346,10 @@ class ResponseFormatter(Formatter):
                 }
             else:
                 echo = choice.input.echo
-                prompt = state.prompt_logprobs if self.echo_logprobs else None
+                prompt = state.prompt_logprobs if self.echo_logprobs is not None else None
                 logprobs = None
                 if state.logprobs or prompt:
-                    logprobs = completion_logprobs(state.logprobs, len(echo), prompt)
+                    logprobs = completion_logprobs(state.logprobs, len(echo), prompt, self.echo_logprobs or 0)
                 body = {"index": choice.index, "text": echo + state.text, "logprobs": logprobs}
                 if self.prompt_logprobs:
                     body["prompt_logprobs"] = prompt_logprobs_body(state.prompt_logprobs or [])

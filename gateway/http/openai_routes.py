@@ -103,7 +103,7 @@ async def completions(data: CompletionRequest) -> Any:
             inputs.extend([choice] * data.n)
         formatter = ResponseFormatter(
             "cmpl-" + uuid.uuid4().hex, model, chat=False,
-            echo_logprobs=data.echo and data.logprobs is not None,
+            echo_logprobs=data.logprobs if data.echo else None,
             prompt_logprobs=data.prompt_logprobs is not None, with_usage=data.include_usage_in_stream(),
             continuous_usage=data.continuous_usage(),
         )  # fmt: skip

@@ -23,6 +23,7 @@ from gateway.http.current import current_gateway
 from gateway.http.field_rules import TemplateKwargs
 from gateway.http.schemas import ChatMessage, TokenId, ToolDefinition
 from gateway.http.serving_path import serve_exchange
+from gateway.observability.logging_setup import set_log_context
 from gateway.serving.router import ModelRoute
 from gateway.tools.plan import tool_specs
 from wire import messages as wire
@@ -95,16 +96,20 @@ class DetokenizeRequest(BaseModel):
 
 
 def model_route(name: str | None) -> ModelRoute:
-    """The named model's route, or the only model's when none is named."""
+    """The named model's route, or the only model's when none is named; its canonical name goes on
+    the request's log lines and its metrics label."""
     router = current_gateway().router
     if name is not None:
-        return router.route(name)
-    routes = list(router.routes.values())
-    if len(routes) != 1:
-        raise InvalidRequest("model is required: this gateway serves several models", param="model")
-    if not may_use(routes[0].config.name):
-        raise ModelNotFound("(default)")
-    return routes[0]
+        route = router.route(name)
+    else:
+        routes = list(router.routes.values())
+        if len(routes) != 1:
+            raise InvalidRequest("model is required: this gateway serves several models", param="model")
+        if not may_use(routes[0].config.name):
+            raise ModelNotFound("(default)")
+        route = routes[0]
+    set_log_context(model=route.config.name)
+    return route
 
 
 @blueprint.post("/tokenize")

@@ -107,6 +107,10 @@ class WorkerLink(WorkerIdentities):
         # last sent a Step frame, and when it was last handed a job.
         self.last_step_frame: dict[str, float] = {}
         self.last_job_sent: dict[str, float] = {}
+        # Workers whose failure fail_worker announced, until they say Hello again (or, remote, are
+        # back from lost): the Cancel each of their requests then sends cannot arrive, and a warning
+        # per request would bury the one line that says why (the supervisor's).
+        self._failed: set[str] = set()
         self._readers: list[asyncio.Task[None]] = []
         self._dispatch: dict[type[wire.Message], Callable[[str, Any], None]] = {
             wire.Step: self._on_step,
@@ -162,6 +166,11 @@ class WorkerLink(WorkerIdentities):
         self.last_seen.pop(worker_id, None)
         self.last_step_frame.pop(worker_id, None)
         self.last_job_sent.pop(worker_id, None)
+        self._failed.discard(worker_id)
+
+    def reachable(self, worker_id: str) -> None:
+        """The worker answers again (a remote worker back from lost): a send it misses is news again."""
+        self._failed.discard(worker_id)
 
     # ---- sending -----------------------------------------------------------------------------
 
@@ -180,7 +189,7 @@ class WorkerLink(WorkerIdentities):
             try:
                 self._sock.send_multipart([worker_id.encode(), frame], zmq.NOBLOCK)
             except zmq.ZMQError as exc:  # EHOSTUNREACH: the worker is gone; EAGAIN: it is not reading
-                logger.warning("could not send a frame to worker %s: %s", worker_id, exc)
+                self._send_failed(worker_id, exc)
                 return False
             return True
         if self.dialer is not None and worker_id in self.dialer:
@@ -193,9 +202,13 @@ class WorkerLink(WorkerIdentities):
         sent = cast("asyncio.Future[Any]", sock.send_multipart([worker_id.encode(), frame], zmq.NOBLOCK))
         error = sent.exception() if sent.done() else None
         if error is not None:
-            logger.warning("could not send a frame to worker %s: %s", worker_id, error)
+            self._send_failed(worker_id, error)
             return False
         return True
+
+    def _send_failed(self, worker_id: str, error: BaseException) -> None:
+        level = logging.DEBUG if worker_id in self._failed else logging.WARNING
+        logger.log(level, "could not send a frame to worker %s: %s", worker_id, error)
 
     # ---- jobs and exchanges ------------------------------------------------------------------
 
@@ -235,6 +248,7 @@ class WorkerLink(WorkerIdentities):
 
     def fail_worker(self, worker_id: str, error: APIError) -> None:
         """The worker is gone: everything waiting on it hears so now."""
+        self._failed.add(worker_id)
         for job in self.jobs_of(worker_id):
             job.on_worker_failed(error)
         for pending in list(self._exchanges.values()):
@@ -277,8 +291,10 @@ class WorkerLink(WorkerIdentities):
         try:
             if handler is not None:
                 handler(worker_id, message)
-            else:
-                self._on_lifecycle(worker_id, message, key)
+                return
+            if type(message) is wire.Hello:  # a new process under this id (or one reintroduced)
+                self._failed.discard(worker_id)
+            self._on_lifecycle(worker_id, message, key)
         except Exception:  # one bad message must not stop the reader for every request
             logger.exception("error handling %s from worker %s", type(message).__name__, worker_id)
 

@@ -27,7 +27,9 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from quart import Response, current_app, g, request
 from werkzeug.exceptions import HTTPException
 
+from gateway.config.api_keys import ANONYMOUS  # the key label of requests without a (valid) key
 from gateway.errors import ClientClosed
+from gateway.observability.logging_setup import log_context
 
 if TYPE_CHECKING:
     from gateway.serving.outputs import Delta
@@ -40,9 +42,6 @@ _DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300, 
 _PHASE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 RECENT_WINDOW_S = 300.0
 RECENT_MAX = 2000  # per model: the window's figures come from at most this many requests
-
-
-ANONYMOUS = "anonymous"  # the key label of requests on a gateway without keys (or refused for lack of one)
 
 
 class GatewayMetrics:
@@ -166,7 +165,7 @@ class RequestRecorder:
 
     __slots__ = (
         "metrics", "model", "endpoint", "key", "started", "last_output", "finished", "status", "ttft_s",
-        "finish_reasons", "prompt_tokens", "completion_tokens", "_ttft", "_itl",
+        "finish_reasons", "prompt_tokens", "completion_tokens", "was_admitted", "_ttft", "_itl",
     )  # fmt: skip
 
     def __init__(self, metrics: GatewayMetrics, model: str, endpoint: str, key: str = ANONYMOUS) -> None:
@@ -182,12 +181,14 @@ class RequestRecorder:
         self.finish_reasons: list[str] = []
         self.prompt_tokens = 0
         self.completion_tokens = 0
+        self.was_admitted = False
         # Bound once per request: the per-chunk path is then one clock read and one observe.
         self._ttft = metrics.child(metrics.ttft, model)
         self._itl = metrics.child(metrics.itl, model)
 
     def admitted(self) -> None:
         """Every choice was accepted by a worker: the request's queue time ends here."""
+        self.was_admitted = True
         metrics = self.metrics
         metrics.child(metrics.queue_time, self.model).observe(time.perf_counter() - self.started)
 
@@ -216,6 +217,11 @@ class RequestRecorder:
             return
         self.finished = True
         self.status = status
+        if status >= 400 and not self.was_admitted:
+            # Refused before every choice was admitted (one prompt of several too long, a full
+            # queue, a client gone while waiting): jobs some choices had started were cancelled
+            # and the client got no output and no usage, so its key is charged nothing.
+            prompt_tokens = completion_tokens = cached_tokens = 0
         self.prompt_tokens, self.completion_tokens = prompt_tokens, completion_tokens
         metrics, model = self.metrics, self.model
         duration = time.perf_counter() - self.started
@@ -295,15 +301,14 @@ def start_request(model: str) -> RequestRecorder:
     return recorder
 
 
-async def _model_label() -> str:
-    """The canonical name of the model a refused request named, if it names a served one ("" else:
-    label values must stay the few served names, whatever clients send)."""
-    from gateway.observability.logging_setup import log_context
-
+async def _model_label(status: int) -> str:
+    """The canonical name of the model the request was about, once its route resolved it; for a
+    400 before that, the served model its body names. "" else: label values must stay the few
+    served names, whatever clients send (a 404's name may be anything a client typed)."""
     known = log_context().get("model")  # set once the route resolved the model
     if known is not None:
         return known
-    if request.method != "POST":
+    if status != 400 or request.method != "POST":
         return ""
     try:  # the body was read (and cached) by the validation that refused it
         body = await request.get_json(force=True, silent=True)
@@ -316,16 +321,28 @@ async def _model_label() -> str:
     return config.name if config is not None else ""
 
 
+def _is_api_request() -> bool:
+    """/v1 requests, and those on an unprefixed alias of a /v1 route (vLLM's /tokenize beside
+    /v1/tokenize): the same API either way, so counted either way."""
+    if request.path.startswith("/v1/"):
+        return True
+    rule = request.url_rule
+    if rule is None or rule.endpoint is None:
+        return False
+    return any(r.rule.startswith("/v1/") for r in current_app.url_map.iter_rules(rule.endpoint))
+
+
 async def count_response(response: Response) -> Response:
-    """after_request: count /v1 requests that ended before a recorder existed (auth, 400, 404)."""
+    """after_request: count API requests that ended before a recorder existed (auth, 400, 404, and
+    the one-shot routes: tokenize, detokenize, tokenizer_info)."""
     recorder: RequestRecorder | None = g.get("request_recorder")
     if recorder is None:
-        if request.path.startswith("/v1/"):
-            # 400s name the model they were about; a 404's name may be anything a client typed.
-            model = await _model_label() if response.status_code == 400 else ""
+        if _is_api_request():
+            status = str(response.status_code)
+            model = await _model_label(response.status_code)
             metrics = current_app.extensions["metrics"]
-            metrics.requests.labels(model, _endpoint(), str(response.status_code)).inc()
-            metrics.key_requests.labels(_key_name(), model, str(response.status_code)).inc()
+            metrics.requests.labels(model, _endpoint(), status).inc()
+            metrics.key_requests.labels(_key_name(), model, status).inc()
     elif response.mimetype != "text/event-stream":
         recorder.finish(response.status_code)  # a no-op when the route already counted it
     return response

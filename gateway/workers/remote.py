@@ -139,6 +139,7 @@ class RemoteMembers:
                 handle.last_error = reason
                 self._mark_lost(handle, reason)
             elif handle.state is S.LOST and silent_s < server.heartbeat_interval_s * 3:
+                link.reachable(handle.id)
                 for rid in handle.stale_rids:
                     link.send(handle.id, wire.Cancel(rid))  # ended on our side: must not run on
                 logger.info(

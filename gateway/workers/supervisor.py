@@ -321,8 +321,12 @@ class Supervisor:
             exit_reason = await self._watch(handle)
             handle.process_gone()  # no process now: nothing to show or to watch
             reason = f"{handle.death_cause} ({exit_reason})" if handle.death_cause else exit_reason
+            stopped_on_purpose = self._stopping or handle.retiring
+            if not stopped_on_purpose:  # the one line that says why, before each request ends with it
+                held = len(self.link.jobs_of(handle.id))
+                logger.error("worker %s stopped: %s; its %d job(s) in flight end", handle.id, reason, held)
             self.fail_requests(handle, reason)
-            if self._stopping or handle.retiring:
+            if stopped_on_purpose:
                 return  # stop() or retire() decides the final state
             # A crash loop is a worker that cannot get to ready; one that served and then died is
             # restarted, with a backoff that resets once it has stayed up for a while.
@@ -333,7 +337,6 @@ class Supervisor:
                 if time.monotonic() - handle.ready_at >= STABLE_AFTER_S:
                     backoff = server.restart_backoff_s
             handle.last_error = reason
-            logger.error("worker %s stopped: %s", handle.id, reason)
             if handle.consecutive_failures >= server.restart_limit:
                 detail = f"{handle.consecutive_failures} failed starts; last: {reason}"
                 self.set_state(handle, S.FAILED, detail)

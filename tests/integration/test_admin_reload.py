@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.harness import WAIT_TIMEOUT_S, GatewayProcess, pid_alive, wait_until
+from tests.harness import REPO_ROOT, WAIT_TIMEOUT_S, GatewayProcess, pid_alive, wait_until
 from tests.integration.conftest import demo_entry, write_registry
 
 # Streams that must still be running when a drain's grace ends: 0.05 s a step, however fast the
@@ -150,6 +150,66 @@ def test_unload_then_load(setup: tuple[GatewayProcess, Path, Path]) -> None:
     assert httpx.post(gateway.url + "/admin/models/change/load", timeout=30).status_code == 202
     wait_state(gateway, "change", "ready")
     assert complete(gateway, "change").status_code == 200
+
+
+def documented_when(status: int, code: str) -> str:
+    """What docs/api.md's table of errors says of `code` (the `when` of the row that names it)."""
+    for line in (REPO_ROOT / "docs" / "api.md").read_text().splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if len(cells) == 3 and cells[0] == str(status) and f"`{code}`" in cells[1]:
+            return cells[2]
+    raise AssertionError(f"docs/api.md's table of errors has no {status} {code}")
+
+
+def test_unload_ends_its_requests_with_model_unloaded_and_later_ones_get_service_unavailable(
+    tmp_path: Path, demo_model_dir: Path
+) -> None:
+    """What the error table in docs/api.md promises: requests that waited for the model or ran on it
+    when it was unloaded end with `model_unloaded` (the stream after the drain's grace); a request
+    that comes afterwards gets `service_unavailable`, saying how to load the model."""
+    limits = {"max_concurrent_jobs": 1, "max_queued_requests": 8}
+    config = write_registry(
+        tmp_path / "models.yaml", [demo_entry("m", demo_model_dir, engine=SLOW_ON_CUE, limits=limits)],
+        shutdown_grace_s=1,
+    )  # fmt: skip
+    with GatewayProcess(config, env=TEST_ENGINES) as gateway:
+        events: list[str] = []
+
+        def stream() -> None:
+            body = {"model": "m", "prompt": SLOW_PROMPT, "max_tokens": 2000, "ignore_eos": True,
+                    "stream": True}  # fmt: skip
+            with httpx.stream("POST", gateway.url + "/v1/completions", json=body, timeout=60) as response:
+                events.extend(line for line in response.iter_lines() if line.startswith(("data:", "event:")))
+
+        def queue_depth() -> int:
+            view = httpx.get(gateway.url + "/admin/workers", timeout=5).json()
+            return int(view["models"]["m"]["queue_depth"])
+
+        runner = threading.Thread(target=stream)
+        runner.start()
+        wait_in_flight(gateway, "m")
+        queued: dict[str, Any] = {}
+        waiter = threading.Thread(target=lambda: queued.update(reply=complete(gateway, "m")))
+        waiter.start()
+        wait_until(lambda: queue_depth() == 1, "the second request to wait for the only slot")
+        assert httpx.post(gateway.url + "/admin/models/m/unload", timeout=30).status_code == 200
+        waiter.join(60)
+        runner.join(60)
+        assert "reply" in queued and not runner.is_alive(), gateway.log()[-6000:]
+        waited = queued["reply"]
+        assert waited.status_code == 503 and waited.json()["error"]["code"] == "model_unloaded"
+        assert events[-1] == "data: [DONE]" and events[-3] == "event: error"
+        assert json.loads(events[-2][6:])["error"]["code"] == "model_unloaded"
+        assert "waiting for the model or running on it when it was unloaded by hand" in documented_when(
+            503, "model_unloaded"
+        )
+        later = complete(gateway, "m")
+        error = later.json()["error"]
+        assert later.status_code == 503 and "POST /admin/models/m/load" in error["message"], later.text
+        assert error["code"] == "service_unavailable" and error["type"] == "service_unavailable_error"
+        assert "a new request for a model that no worker can serve now: one unloaded" in documented_when(
+            503, error["code"]
+        )
 
 
 def test_on_demand_model_loads_at_first_request_and_unloads_when_idle(

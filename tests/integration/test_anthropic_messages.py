@@ -144,19 +144,22 @@ def test_tool_use_round_trip(client: anthropic.Anthropic) -> None:
     (call,) = [b for b in forced.content if b.type == "tool_use"]
     assert call.name == "get_weather" and call.input["city"] in ("Paris", "Rome")  # type: ignore[index]
     assert call.id.startswith("toolu_")
+    called = {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in forced.content]}
+    question = {"type": "text", "text": "And should I take an umbrella?"}
     history = [
         *ASK,
-        {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in forced.content]},
+        called,
         {"role": "user", "content": [
-            {"type": "tool_result", "tool_use_id": call.id, "content": "sunny, 21 C"},
-            {"type": "text", "text": "And should I take an umbrella?"},
-        ]},
+            {"type": "tool_result", "tool_use_id": call.id, "content": "sunny, 21 C"}, question]},
     ]  # fmt: skip
     answer = client.messages.create(model="m", max_tokens=8, messages=history, tools=[WEATHER])  # type: ignore[arg-type,list-item]
     assert answer.content and answer.stop_reason in ("max_tokens", "end_turn", "tool_use")
-    # The tool result reached the prompt: it has more tokens than the same history without it.
+    # The tool result reached the prompt: it has more tokens than the same history with an empty one
+    # (a call must be answered by the next message, so the result cannot just be left out).
     with_result = client.messages.count_tokens(model="m", messages=history, tools=[WEATHER])  # type: ignore[arg-type,list-item]
-    without = client.messages.count_tokens(model="m", messages=history[:2] + [ASK[0]], tools=[WEATHER])  # type: ignore[arg-type,list-item]
+    empty_result = {"type": "tool_result", "tool_use_id": call.id}
+    empty = [*ASK, called, {"role": "user", "content": [empty_result, question]}]
+    without = client.messages.count_tokens(model="m", messages=empty, tools=[WEATHER])  # type: ignore[arg-type,list-item]
     assert with_result.input_tokens > without.input_tokens
     # tool_choice any, streamed: the SDK assembles the tool_use block from input_json_delta events.
     with client.messages.stream(model="m", max_tokens=80, messages=ASK, tools=[WEATHER],  # type: ignore[list-item]
@@ -290,6 +293,17 @@ def test_a_tool_result_answers_a_tool_use_of_the_previous_message(
         assert "must have a corresponding `tool_use` block in the previous message" in message
 
 
+def test_a_tool_use_left_unanswered_earlier_in_the_history_is_refused(gateway: GatewayProcess) -> None:
+    # The call at messages[1] is answered by text, then the conversation goes on.
+    history = [*TOOL_HISTORY[:2], {"role": "user", "content": "Never mind."},
+               {"role": "assistant", "content": "OK."}, {"role": "user", "content": "Hi again"}]  # fmt: skip
+    body = {"model": "m", "max_tokens": 4, "messages": history}
+    for path in ("/v1/messages", "/v1/messages/count_tokens"):
+        assert _refusal(gateway, path, body).startswith(
+            "messages[1]: `tool_use` ids were found without `tool_result` blocks immediately after: toolu_1."
+        )
+
+
 def test_tool_blocks_need_a_template_that_renders_them(
     client: anthropic.Anthropic, gateway: GatewayProcess
 ) -> None:
@@ -300,7 +314,10 @@ def test_tool_blocks_need_a_template_that_renders_them(
     for ask in (
         lambda: client.messages.create(model="plain", max_tokens=4, messages=TOOL_HISTORY),  # type: ignore[arg-type]
         lambda: client.messages.count_tokens(model="plain", messages=TOOL_HISTORY),  # type: ignore[arg-type]
-        lambda: client.messages.count_tokens(model="plain", messages=[*TOOL_HISTORY[:2], *ASK]),  # type: ignore[arg-type]
+        lambda: client.messages.count_tokens(  # the calls earlier in a longer history
+            model="plain",
+            messages=[*TOOL_HISTORY, {"role": "assistant", "content": "Sunny."}, *ASK],  # type: ignore[arg-type]
+        ),
     ):
         with pytest.raises(anthropic.BadRequestError, match="cannot render the tool calls of messages.1"):
             ask()

@@ -172,6 +172,14 @@ def test_metrics_after_requests(gateway: GatewayProcess) -> None:
     ) as response:
         lines = [line for line in response.iter_lines() if line.startswith("data: ")]
     assert lines[-1] == "data: [DONE]" and json.loads(lines[-2][6:])["usage"]["completion_tokens"] > 0
+    # vLLM's tokenizer routes, with and without /v1: the same API, counted either way.
+    for path, body in [("tokenize", {"prompt": "Hi"}), ("detokenize", {"tokens": [1, 2]})]:
+        for prefix in ("/", "/v1/"):
+            reply = httpx.post(gateway.url + prefix + path, json={"model": "demo-a", **body},
+                               headers=bearer(ALICE), timeout=30)  # fmt: skip
+            assert reply.status_code == 200, reply.text
+        refused = httpx.post(gateway.url + "/" + path, json={"model": "demo-a"}, headers=bearer(ALICE))
+        assert refused.status_code == 400, refused.text  # no prompt, no tokens
     text = get(gateway, "/metrics", bearer(PROM)).text
     samples: dict[tuple[str, frozenset[tuple[str, str]]], float] = {}
     for family in text_string_to_metric_families(text):
@@ -186,6 +194,10 @@ def test_metrics_after_requests(gateway: GatewayProcess) -> None:
     assert value(requests, model="demo-b", endpoint="/v1/chat/completions", status="200") >= 1
     assert value(requests, model="", endpoint="/v1/models", status="401") >= 1
     assert value(requests, model="demo-a", endpoint="/v1/chat/completions", status="400") >= 2
+    for endpoint in ("/tokenize", "/v1/tokenize", "/detokenize", "/v1/detokenize"):
+        assert value(requests, model="demo-a", endpoint=endpoint, status="200") >= 1, endpoint
+    for endpoint in ("/tokenize", "/detokenize"):
+        assert value(requests, model="demo-a", endpoint=endpoint, status="400") >= 1, endpoint
     assert value("process_resident_memory_bytes") > 0 and value("process_cpu_seconds_total") > 0
     for model in ("demo-a", "demo-b"):
         assert value("gateway_time_to_first_token_seconds_count", model=model) >= 1
@@ -324,3 +336,42 @@ def test_a_priority_header_that_names_no_class_is_a_400_naming_it(gateway: Gatew
         httpx.post(gateway.url + "/v1/chat/completions", json=body, headers=headers, timeout=60).status_code
         == 200
     )
+
+
+def test_a_priority_above_the_keys_class_is_a_403_naming_it(gateway: GatewayProcess) -> None:
+    """Capping it quietly would serve the request at a class it did not ask for."""
+    for key, model, asked in (
+        (ALICE, "demo-a", "high"),
+        (THRIFTY, "demo-b", "normal"),
+        (THRIFTY, "demo-b", "high"),
+    ):
+        body = {"model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+        headers = bearer(key) | {"X-Priority": asked}
+        reply = httpx.post(gateway.url + "/v1/chat/completions", json=body, headers=headers, timeout=60)
+        assert reply.status_code == 403, (key, asked, reply.text)
+        error = reply.json()["error"]
+        assert error["code"] == "permission_denied" and error["param"] == "X-Priority", error
+    body = {"model": "demo-a", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    for asked in ("normal", "Normal"):  # its own class, spelt as the 400 check accepts it
+        headers = bearer(ALICE) | {"X-Priority": asked}
+        assert httpx.post(
+            gateway.url + "/v1/chat/completions", json=body, headers=headers, timeout=60
+        ).is_success
+
+
+def test_a_request_refused_before_it_was_admitted_uses_no_tokens(gateway: GatewayProcess) -> None:
+    """Two prompts: the worker accepts the short one, then refuses the one past max_seq_len. The
+    request is a 400 with no output and no usage; the accepted job is cancelled, and nothing is
+    counted against the key or the model."""
+    key = {("key", "gateway_api_keys#1"), ("model", "demo-a"), ("kind", "prompt")}
+    counted = ("gateway_key_tokens_total", frozenset(key))
+    model_tokens = ("gateway_prompt_tokens_total", frozenset({("model", "demo-a")}))
+    before = metric_samples(gateway)
+    body = {"model": "demo-a", "prompt": ["Hi there", "word " * 3000], "max_tokens": 2}
+    reply = httpx.post(gateway.url + "/v1/completions", json=body, headers=bearer(ENV_KEY), timeout=60)
+    assert reply.status_code == 400 and reply.json()["error"]["code"] == "context_length_exceeded"
+    after = metric_samples(gateway)
+    assert after.get(counted, 0.0) == before.get(counted, 0.0)
+    assert after.get(model_tokens, 0.0) == before.get(model_tokens, 0.0)
+    refusals = ("gateway_key_requests_total", frozenset({*key - {("kind", "prompt")}, ("status", "400")}))
+    assert after[refusals] == before.get(refusals, 0.0) + 1

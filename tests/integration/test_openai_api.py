@@ -161,6 +161,29 @@ def test_completion_top_logprobs_hold_the_sampled_token(client: openai.OpenAI, l
         assert all(len(top) == 1 for top in result.top_logprobs)
 
 
+@pytest.mark.parametrize(("logprobs", "prompt_logprobs"), [(0, None), (1, None), (1, 3)])
+def test_echoed_prompt_top_logprobs_hold_the_prompt_token(
+    two_model_gateway: GatewayProcess, logprobs: int, prompt_logprobs: int | None
+) -> None:
+    # A random model rarely ranks each word of a sentence first: the prompt token is often outside
+    # the top 1, and must be there anyway, as for sampled tokens (a larger prompt_logprobs, which
+    # the worker scores with more alternatives, must not widen the echoed entries).
+    body = {"model": "demo-small", "prompt": "The quick brown fox jumps over the lazy dog", "max_tokens": 2,
+            "temperature": 1.0, "seed": 3, "echo": True, "logprobs": logprobs}  # fmt: skip
+    if prompt_logprobs is not None:
+        body["prompt_logprobs"] = prompt_logprobs
+    reply = httpx.post(two_model_gateway.url + "/v1/completions", json=body, timeout=60)
+    assert reply.status_code == 200, reply.text
+    result = reply.json()["choices"][0]["logprobs"]
+    assert result["token_logprobs"][0] is None and result["top_logprobs"][0] is None
+    entries = list(zip(result["tokens"], result["token_logprobs"], result["top_logprobs"], strict=True))[1:]
+    assert len(entries) > 8  # the prompt's other tokens, then the two sampled ones
+    for token, logprob, top in entries:
+        assert top[token] == logprob and len(top) <= logprobs + 1
+    if logprobs == 1:  # a token outside the top 1 comes with the top one: two entries
+        assert any(len(top) == 2 for _, _, top in entries)
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_chat_logprobs_give_the_bytes_of_a_token_that_is_part_of_a_character(
     two_model_gateway: GatewayProcess, stream: bool

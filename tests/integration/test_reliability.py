@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
+import signal
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -153,6 +155,42 @@ def test_worker_death_before_stream_is_503(gateway: GatewayProcess) -> None:
     # 30 s timeout). Which watchdog names the cause is checked in the mid-stream test above.
     assert response.json()["error"]["code"] == "worker_failed"
     wait_ready(gateway, "faulty")
+
+
+def test_a_killed_worker_is_logged_once_not_once_per_request(gateway: GatewayProcess) -> None:
+    """SIGKILL while four requests run on it: one ERROR line says why the worker stopped and how
+    many jobs end with it; the Cancel that each of those requests then sends to the dead worker
+    is no warning of its own."""
+    before = wait_ready(gateway, "faulty")
+    log_start = gateway.log_path.stat().st_size
+
+    async def scenario() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=gateway.url, timeout=60) as client:
+            body = completion("faulty", "<<slow>> hold")  # 400 slow steps, one job at a time
+            bodies = [{**body, "stream": i % 2 == 0} for i in range(4)]
+            requests = [asyncio.create_task(client.post("/v1/completions", json=b)) for b in bodies]
+
+            async def all_on_the_worker() -> bool:  # as the worker itself reports them
+                view = (await client.get("/admin/workers")).json()["workers"]
+                stats = next(w["stats"] for w in view if w["model"] == "faulty")
+                return bool(stats["active_jobs"] + stats["queued_jobs"] == 4)
+
+            await async_wait_until(all_on_the_worker, "4 jobs on the faulty worker", context=gateway.events)
+            os.kill(int(before["pid"]), signal.SIGKILL)
+            return await asyncio.gather(*requests)
+
+    replies = asyncio.run(scenario())
+    assert sorted(r.status_code for r in replies) == [200, 200, 503, 503]  # streams end with an error event
+    assert all("worker_failed" in r.text for r in replies)
+    wait_worker(gateway, "faulty", "to be restarted", lambda w: w["restarts"] == before["restarts"] + 1)
+    with open(gateway.log_path, errors="replace") as log:
+        log.seek(log_start)
+        lines = log.read().splitlines()
+    crash = [line for line in lines if f"worker {before['id']} stopped: " in line]
+    assert len(crash) == 1 and " ERROR " in crash[0], crash
+    assert "stopped: killed by signal 9; its 4 job(s) in flight end" in crash[0]
+    warnings = [line for line in lines if " WARNING gateway." in line]
+    assert not warnings, "\n".join(warnings)
 
 
 # A hung step also stops progress, so whichever of the two watchdogs fires first is right.

@@ -116,7 +116,10 @@ def test_prompt_logprobs_and_zero_max_tokens(
     assert len(got) == len(ids) - 1
     assert all(math.isclose(got[i - 1], float(rows[i - 1, ids[i]]), abs_tol=1e-4) for i in range(1, len(ids)))
     tops = echoed["logprobs"]["top_logprobs"]
-    assert tops[0] is None and all(len(t) <= 2 for t in tops[1:])
+    # Each prompt token with its top 2 alternatives (3 entries when it is not among them), as vLLM.
+    assert tops[0] is None and all(len(t) <= 3 for t in tops[1:])
+    tokens = echoed["logprobs"]["tokens"][1:]
+    assert all(t[token] == lp for token, lp, t in zip(tokens, got, tops[1:], strict=True))
     assert max(tops[1].values()) == pytest.approx(float(rows[0].max()), abs=1e-4)
     # vLLM's prompt_logprobs: {token id: {logprob, rank, decoded_token}} per prompt token.
     body = {"model": "m", "prompt": ids, "max_tokens": 1, "prompt_logprobs": 1, "temperature": 0}

@@ -55,6 +55,27 @@ def test_a_tool_result_must_answer_the_turn_before() -> None:
 
 
 @pytest.mark.parametrize(
+    "next_turn",
+    [ASK, {"role": "user", "content": [{"type": "text", "text": "Go on."}]},
+     {"role": "assistant", "content": "Sunny."}],
+)  # fmt: skip
+def test_a_tool_use_is_answered_by_the_next_turn_anywhere_in_the_history(next_turn: dict[str, Any]) -> None:
+    two_calls = {"role": "assistant", "content": [CALL, {**CALL, "id": "toolu_2"}]}
+    answered = {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1"},
+                                            {"type": "tool_result", "tool_use_id": "toolu_2"}]}  # fmt: skip
+    later = [{"role": "assistant", "content": "Done."}, ASK]
+    assert len(_request([ASK, two_calls, answered, *later]).as_chat().messages) == 6
+    # Not the last turn: the history goes on after the turn that leaves the calls unanswered.
+    unanswered = r"^messages\[1\]: `tool_use` ids were found without `tool_result` blocks immediately after"
+    with pytest.raises(InvalidRequest, match=unanswered + r": toolu_1, toolu_2\."):
+        _request([ASK, two_calls, next_turn, *later]).as_chat()
+    partly = {"role": "user", "content": answered["content"][:1]}
+    with pytest.raises(InvalidRequest, match=r"^messages\[1\]: .* immediately after: toolu_2\.") as refused:
+        _request([ASK, two_calls, partly, *later]).as_chat()
+    assert refused.value.status == 400 and refused.value.param == "messages"
+
+
+@pytest.mark.parametrize(
     "fields", [{"max_tokens": True}, {"temperature": True}, {"stream": "true"}, {"top_p": "0.5"}]
 )
 def test_scalars_take_their_own_json_type_only(fields: dict[str, Any]) -> None:

@@ -78,14 +78,18 @@ def test_completions_echo_once_per_choice_and_offsets_follow_the_text() -> None:
     assert chunks[2]["choices"][0]["finish_reason"] == "stop" and chunks[0]["object"] == "text_completion"
 
 
-def test_completion_top_logprobs_put_the_sampled_token_first_even_outside_the_top() -> None:
-    prompt = [TokenLogprob("A", 1, None, []), entry("B", 2, -4.0, ("C", 3, -0.1))]
+def test_completion_top_logprobs_put_the_token_first_even_outside_the_top() -> None:
+    # Scored with 2 alternatives (a prompt_logprobs of 2), echoed for a request with logprobs 1.
+    prompt = [TokenLogprob("A", 1, None, []), entry("B", 2, -4.0, ("C", 3, -0.1), ("D", 4, -3.0)),
+              entry("C", 3, -0.3, ("C", 3, -0.3), ("B", 2, -2.0))]  # fmt: skip
     sampled = [entry("x", 5, -3.0, ("y", 6, -0.2)), entry("y", 6, -0.2, ("y", 6, -0.2)), entry("z", 7, -1.0)]
-    body = completion_logprobs(sampled, 2, prompt)
-    # The prompt's entries as scored (vLLM's prompt logprobs), then each sampled token with its top
-    # alternatives: logprobs + 1 entries at most; logprobs 0 leaves the sampled token alone.
-    assert body["top_logprobs"] == [None, {"C": -0.1}, {"x": -3.0, "y": -0.2}, {"y": -0.2}, {"z": -1.0}]
-    assert list(body["top_logprobs"][2]) == ["x", "y"]
+    body = completion_logprobs(sampled, 2, prompt, prompt_top=1)
+    # Every token, echoed or sampled, with its top alternatives: logprobs + 1 entries at most (the
+    # first prompt token has no logprob); logprobs 0 leaves the token alone.
+    assert body["top_logprobs"] == [None, {"B": -4.0, "C": -0.1}, {"C": -0.3},
+                                    {"x": -3.0, "y": -0.2}, {"y": -0.2}, {"z": -1.0}]  # fmt: skip
+    assert list(body["top_logprobs"][1]) == ["B", "C"] and list(body["top_logprobs"][3]) == ["x", "y"]
+    assert completion_logprobs([], 0, prompt)["top_logprobs"] == [None, {"B": -4.0}, {"C": -0.3}]
 
 
 @pytest.mark.parametrize("chat", [True, False])

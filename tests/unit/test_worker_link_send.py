@@ -7,11 +7,15 @@ a real DEALER standing in for a connected worker.
 from __future__ import annotations
 
 import asyncio
+import logging
 from pathlib import Path
 
+import pytest
 import zmq
 
+from gateway.errors import WorkerFailed
 from gateway.link.worker_link import WorkerLink
+from tests.harness import async_wait_until
 from wire import messages as wire
 
 
@@ -82,3 +86,41 @@ def test_every_frame_is_read_when_sends_and_bursts_interleave(tmp_path: Path) ->
             await link.close()
 
     asyncio.run(scenario())
+
+
+def test_a_worker_known_failed_is_not_warned_about_per_send(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Once the link has announced a worker's failure, the Cancels its requests then send cannot
+    arrive: each is a DEBUG line, not a WARNING. A Hello (a new process under the id) makes a
+    frame that cannot reach it worth a warning again."""
+
+    def warnings() -> list[str]:
+        return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+
+    async def scenario() -> None:
+        link = WorkerLink(f"ipc://{tmp_path}/link", on_lifecycle=lambda *_: None)
+        await link.start()
+        link.expect_local("w")
+        try:
+            assert not link.send_frame("w", b"x")  # not connected, nothing known: a warning
+            assert len(warnings()) == 1
+            link.fail_worker("w", WorkerFailed("the worker for model 'm' failed: killed by signal 9"))
+            assert not any(link.send_frame("w", wire.encode(wire.Cancel(f"r{i}"))) for i in range(4))
+            assert len(warnings()) == 1
+            assert sum("could not send a frame to worker w" in r.getMessage() for r in caplog.records) == 5
+            worker = zmq.Context.instance().socket(zmq.DEALER)
+            worker.setsockopt(zmq.IDENTITY, b"w")
+            worker.setsockopt(zmq.LINGER, 0)
+            worker.connect(link.endpoint)
+            registered = link.last_seen["w"]
+            worker.send(wire.encode(wire.Hello(wire.PROTOCOL_VERSION, "w", 1)))
+            await async_wait_until(lambda: link.last_seen["w"] != registered, "the Hello to be read")
+            worker.close()  # the new process is gone too, and nothing has announced it yet
+            await async_wait_until(lambda: not link.send_frame("w", b"x"), "the worker to be unreachable")
+            assert len(warnings()) == 2
+        finally:
+            await link.close()
+
+    with caplog.at_level(logging.DEBUG, logger="gateway.link.worker_link"):
+        asyncio.run(scenario())
