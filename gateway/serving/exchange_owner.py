@@ -29,6 +29,7 @@ from gateway.errors import (
     WorkerFailed,
     as_api_error,
 )
+from gateway.observability.logging_setup import log_context
 from gateway.serving.router import AdmissionStopped
 from wire import messages as wire
 from wire.results import RejectCode
@@ -48,6 +49,7 @@ class ExchangeOwner:
         self.service = service
         self.route = route
         self.deadline = deadline
+        self._log_fields = log_context()  # the HTTP request's (request id, model) for lines logged elsewhere
         self.admitted = False  # sent to a worker
         self.ended = False
         self.closed = False
@@ -132,7 +134,9 @@ class ExchangeOwner:
         if not self._aborted.done():
             self._aborted.set_result(None)
         if not isinstance(error, ClientClosed):
-            logger.info("request ended early: %s (%s)", error.code, error.message)
+            # The request's own fields: an end decided elsewhere (a worker's crash, in the supervisor's
+            # task) would otherwise be logged without the request id that the access line has.
+            logger.info("request ended early: %s (%s)", error.code, error.message, extra=self._log_fields)
 
     def close(self) -> None:
         if self.closed:

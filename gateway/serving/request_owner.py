@@ -46,7 +46,7 @@ from gateway.errors import (
     WorkerFailed,
     as_api_error,
 )
-from gateway.observability.logging_setup import set_log_context
+from gateway.observability.logging_setup import log_context, set_log_context
 from gateway.serving.admissions import CURRENT
 from gateway.serving.choice import Choice, NotStarted
 from gateway.serving.choice_text import Cut, TextPlan
@@ -93,6 +93,7 @@ class RequestOwner:
         self.deadline = deadline
         self.recorder = recorder
         self.streaming = streaming
+        self._log_fields = log_context()  # the HTTP request's (request id, model) for lines logged elsewhere
         # The request's trace span (None while tracing is off); each Generate carries its context.
         self.span = span
         self.traceparent = span.traceparent if span is not None else None
@@ -426,7 +427,9 @@ class RequestOwner:
             self.outcome = error.status
         self.queue.put_nowait(EndOfOutputs(error))
         if not isinstance(error, ClientClosed):
-            logger.info("request ended early: %s (%s)", error.code, error.message)
+            # The request's own fields: an end decided elsewhere (a worker's crash, in the supervisor's
+            # task) would otherwise be logged without the request id that the access line has.
+            logger.info("request ended early: %s (%s)", error.code, error.message, extra=self._log_fields)
 
     def drop_connection(self) -> None:
         """Cancel the HTTP task (a client that stopped reading): the server closes its connection."""

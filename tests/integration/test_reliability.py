@@ -191,6 +191,10 @@ def test_a_killed_worker_is_logged_once_not_once_per_request(gateway: GatewayPro
     assert "stopped: killed by signal 9; its 4 job(s) in flight end" in crash[0]
     warnings = [line for line in lines if " WARNING gateway." in line]
     assert not warnings, "\n".join(warnings)
+    # Each request's end names the request, though the supervisor's task decided it.
+    ended = [line for line in lines if "request ended early: worker_failed" in line]
+    ids = {m.group(1) for line in ended if (m := re.search(r"request_id=([A-Za-z0-9._-]+)", line))}
+    assert len(ended) == 4 and len(ids) == 4, ended
 
 
 # A hung step also stops progress, so whichever of the two watchdogs fires first is right.
