@@ -40,6 +40,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         port = registry.server.port
     if args.own_port is not None:
         _port(args.own_port, "--own-port")
+        if args.own_port == port != 0:  # 0 picks a free port for each, never the same one
+            raise ConfigError(f"--own-port {port} is the serving port too; give it a port of its own")
     check_bind_allowed(registry, host, os.environ)  # no keys: loopback only
     runtime_dir = _runtime_dir_problem(registry)
     if runtime_dir is not None:

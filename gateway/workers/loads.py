@@ -4,6 +4,9 @@ slot free, and room on its GPUs.
 Runs in the gateway process, on its asyncio loop, inside the supervisor's per-worker task (so a
 retire or unload that cancels the task also cancels the wait). Owns, in this order:
 
+0. a local model's folder: one that is not there refuses the start at once, naming the file, the
+   model and the field (a worker would only crash on it, `restart_limit` times, with the engine's
+   own and less clear message);
 1. the Hugging Face download of an `hf://` model (in a thread; progress shown as the worker's
    detail and progress, as loading is);
 2. exclusive groups: a model of an `exclusive_group` first drains and unloads the other models of
@@ -22,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from gateway.config import hub
@@ -59,6 +63,11 @@ class LoadGate:
         model = handle.model
         if model.hub is not None:
             await self._download(handle)
+        elif not await asyncio.to_thread(_is_folder, model.path):
+            source = self.pool.registry.source
+            where = f"{source}: " if source is not None else ""
+            where += f"model {model.name!r}, field 'path'"
+            raise LoadRefused(f"{where}: {model.path} is not a folder on this host")
         if model.exclusive_group is not None:
             await self._swap_out_peers(handle, model.exclusive_group)
         if self._slots is not None and handle.id not in self._holding:
@@ -128,3 +137,10 @@ class LoadGate:
                 logger.info("exclusive group %s: unloading %s to load %s", group, name, handle.model.name)
                 why = f"model '{name}' was unloaded to load '{handle.model.name}' (exclusive group {group})"
                 await self.unload(name, why)
+
+
+def _is_folder(path: Path) -> bool:
+    try:
+        return path.is_dir()
+    except OSError:  # a name too long for this file system, a folder not readable: none either
+        return False

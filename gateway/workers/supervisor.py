@@ -5,7 +5,8 @@ the child processes behind them. Death is seen four ways: the process exit (asyn
 watcher), and, judged by gateway.workers.watchdog, a missing frame for `heartbeat_timeout_s`
 (lost or hung), a missed start deadline, and jobs the worker says it holds with no step it
 reports for `wedge_timeout_s` (wedged). When a worker goes, every request it held hears so at
-once, through the link, from its owner. Idle unloads and retries of failed workers run in
+once, through the link, from its owner. Once shutdown's drain begins no worker starts, not even
+to replace one that dies. Idle unloads and retries of failed workers run in
 gateway.workers.upkeep.
 In cluster mode it also starts gateway.link.cluster_members, which connects to the listening
 workers of the membership (those join and leave like any remote worker), and, with etcd or
@@ -68,6 +69,9 @@ class Supervisor:
         self.workers: dict[str, WorkerHandle] = {}
         self._generations: dict[str, int] = {}
         self._stopping = False
+        # Shutdown has begun (mark_draining): no worker starts any more, not even to replace one
+        # that dies meanwhile (it would load a model only to be stopped, and hold the exit back).
+        self._draining = False
         self._upkeep_task: asyncio.Task[None] | None = None
         self.cluster: ClusterMembers | None = None
         self.decisions: Decisions | None = None  # cluster mode with a leader (etcd, Kubernetes)
@@ -154,9 +158,10 @@ class Supervisor:
     def launch(self, handle: WorkerHandle) -> None:
         """Start (or restart after an unload) the worker of a handle; idempotent while it runs. A
         standby worker in cluster mode is loaded by the leader: this gateway says it wants it."""
-        if handle.remote and self.cluster_loads is not None and not self._stopping:
+        closing = self._stopping or self._draining
+        if handle.remote and self.cluster_loads is not None and not closing:
             self.cluster_loads.want(handle)
-        if self._stopping or handle.remote or (handle.task is not None and not handle.task.done()):
+        if closing or handle.remote or (handle.task is not None and not handle.task.done()):
             return
         handle.retiring, handle.consecutive_failures = False, 0
         handle.last_used = time.monotonic()
@@ -225,7 +230,8 @@ class Supervisor:
         await asyncio.gather(*tasks, return_exceptions=True)
 
     def mark_draining(self) -> None:
-        """Shutdown has begun: nothing new is routed; in-flight jobs keep their worker."""
+        """Shutdown has begun: nothing new is routed or started; in-flight jobs keep their worker."""
+        self._draining = True
         for handle in self.workers.values():
             if handle.state in (S.READY, S.STARTING, S.LOADING, S.WARMING):
                 self.set_state(handle, S.DRAINING, "shutting down")
@@ -328,6 +334,9 @@ class Supervisor:
             self.fail_requests(handle, reason)
             if stopped_on_purpose:
                 return  # stop() or retire() decides the final state
+            if self._draining:
+                self.set_state(handle, S.STOPPED, f"exited while shutting down: {reason}")
+                return
             # A crash loop is a worker that cannot get to ready; one that served and then died is
             # restarted, with a backoff that resets once it has stayed up for a while.
             if handle.ready_at is None:
@@ -343,6 +352,8 @@ class Supervisor:
                 return
             self.set_state(handle, S.RESTARTING, f"restart in {backoff:.1f}s after: {reason}")
             await asyncio.sleep(backoff)
+            if self._draining:
+                return  # shutdown began during the backoff: stop() ends it
             backoff = min(backoff * 2, server.restart_backoff_max_s)
             handle.restarts += 1
 

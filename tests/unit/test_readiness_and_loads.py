@@ -103,7 +103,7 @@ def test_free_vram_check_before_an_on_demand_load(tmp_path: Path) -> None:
 
 
 def test_load_slots_are_held_until_a_worker_leaves_the_startup_states(tmp_path: Path) -> None:
-    models = [ModelConfig(name=n, engine="transformers", path=Path("x")) for n in ("a", "b")]
+    models = [ModelConfig(name=n, engine="transformers", path=tmp_path) for n in ("a", "b")]
     registry = Registry.model_validate({"server": {"max_concurrent_loads": 1}, "models": models})
 
     async def scenario() -> list[str]:
