@@ -151,7 +151,9 @@ class ResponseFormatter(Formatter):
     `with_usage` ends a stream with a usage chunk (stream_options.include_usage);
     `continuous_usage` puts the usage so far in every chunk (stream_options.continuous_usage_stats);
     `reasoning` (the model's reasoning parser splits this request's output) adds `reasoning_content`
-    to messages and deltas, and the reasoning tokens to the usage.
+    to messages and deltas, and the reasoning tokens to the usage. `legacy_functions` (the request
+    sent `functions`) answers as that API does: one `function_call` and `finish_reason:
+    function_call`, where the tools API has `tool_calls`, which a client of `functions` never reads.
     """
 
     def __init__(
@@ -165,6 +167,7 @@ class ResponseFormatter(Formatter):
         with_usage: bool = False,
         continuous_usage: bool = False,
         reasoning: bool = False,
+        legacy_functions: bool = False,
     ) -> None:
         self.id = request_id
         self.model = model
@@ -175,6 +178,7 @@ class ResponseFormatter(Formatter):
         self.with_usage = with_usage
         self.continuous_usage = continuous_usage
         self.reasoning = reasoning
+        self.legacy_functions = legacy_functions
         self.created = int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
         self._echoed: set[int] = set()  # choices whose echo went out with their first chunk
@@ -301,6 +305,8 @@ class ResponseFormatter(Formatter):
             if finish is None and logprobs is None:
                 return b""  # text held back (a marker may be starting): nothing to say yet
             deltas = [{}]
+        if self.legacy_functions:
+            deltas = [_as_function_call(delta) for delta in deltas]
         chunks = []
         for position, delta in enumerate(deltas):
             last = position == len(deltas) - 1
@@ -312,7 +318,7 @@ class ResponseFormatter(Formatter):
     def _finish_reason(self, reason: FinishReason | None, called: bool) -> str | None:
         # OpenAI ends a forced (named) call with "stop", and calls the model chose with "tool_calls".
         if called and reason is FinishReason.STOP and self.tools is not None and self.tools.mode != "named":
-            return "tool_calls"
+            return "function_call" if self.legacy_functions else "tool_calls"
         return reason.value if reason else None
 
     def usage_chunk(self, outputs: list[ChoiceOutput]) -> bytes:
@@ -332,7 +338,10 @@ class ResponseFormatter(Formatter):
                 if self.tools is not None:
                     parsed = self.tools.read_final(state.text, cut=state.finish_reason is FinishReason.LENGTH)
                     message["content"] = parsed.content
-                    if parsed.calls:
+                    if parsed.calls and self.legacy_functions:
+                        call = parsed.calls[0]  # the legacy API makes one call at most
+                        message["function_call"] = {"name": call.name, "arguments": call.arguments}
+                    elif parsed.calls:
                         message["tool_calls"] = [
                             {"id": self.tools.call_id(), "type": "function",
                              "function": {"name": call.name, "arguments": call.arguments}}
@@ -362,3 +371,16 @@ class ResponseFormatter(Formatter):
             envelope["prompt_logprobs"] = prompt_logprobs_body(first or [])
         envelope["usage"] = usage_body([c.output for c in choices], self.reasoning)
         return envelope
+
+
+def _as_function_call(delta: dict[str, Any]) -> dict[str, Any]:
+    """A tool_calls delta as the legacy functions API streams it: the first call's name and
+    arguments under `function_call` (that API makes one call at most)."""
+    calls = delta.get("tool_calls")
+    if calls is None:
+        return delta
+    legacy = {key: value for key, value in delta.items() if key != "tool_calls"}
+    first = [call for call in calls if call.get("index") == 0]
+    if first:
+        legacy["function_call"] = dict(first[0]["function"])
+    return legacy

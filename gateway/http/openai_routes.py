@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from typing import Any
 
 from quart import Blueprint, jsonify
@@ -26,6 +27,7 @@ from gateway.http.serving_path import Generation, serve_exchange, serve_generati
 from gateway.reasoning.plan import plan_reasoning
 from gateway.serving.choice_text import TextPlan
 from gateway.serving.outputs import ChoiceInput
+from gateway.serving.request_owner import RequestOwner
 from gateway.serving.router import ModelRoute
 from gateway.tools.plan import plan_tools
 from wire import messages as wire
@@ -58,8 +60,9 @@ async def chat_completions(data: ChatCompletionRequest) -> Any:
     async def plan_for(route: ModelRoute, model: str) -> Generation:
         nonlocal tool_constraint
         tools, tool_choice = data.tool_definitions()
-        plan = plan_tools(tools, tool_choice, data.parallel_tool_calls, route.config.name,
-                          route.config.tool_call_parser)  # fmt: skip
+        legacy = data.functions is not None  # one function call at most, answered as function_call
+        parallel = False if legacy else data.parallel_tool_calls
+        plan = plan_tools(tools, tool_choice, parallel, route.config.name, route.config.tool_call_parser)
         tool_constraint = plan.constrained
         options = data.chat_options(plan.tools if plan.active else [])
         messages = [m.to_wire() for m in data.messages]
@@ -71,6 +74,7 @@ async def chat_completions(data: ChatCompletionRequest) -> Any:
             "chatcmpl-" + uuid.uuid4().hex, model, chat=True, tools=plan,
             prompt_logprobs=data.prompt_logprobs is not None, with_usage=data.include_usage_in_stream(),
             continuous_usage=data.continuous_usage(), reasoning=reasoning is not None,
+            legacy_functions=legacy,
         )  # fmt: skip
         inputs = [ChoiceInput(messages=messages, chat=options)] * data.n
         return Generation(inputs, params, formatter, TextPlan(reasoning=reasoning))
@@ -98,8 +102,7 @@ async def completions(data: CompletionRequest) -> Any:
                     prompt=prompt, echo=prompt if data.echo else "", prompt_index=prompt_index
                 )
             else:
-                echo = await _prompt_text(route, prompt) if data.echo else ""
-                choice = ChoiceInput(prompt_token_ids=prompt, echo=echo, prompt_index=prompt_index)
+                choice = ChoiceInput(prompt_token_ids=prompt, prompt_index=prompt_index)
             inputs.extend([choice] * data.n)
         formatter = ResponseFormatter(
             "cmpl-" + uuid.uuid4().hex, model, chat=False,
@@ -107,7 +110,9 @@ async def completions(data: CompletionRequest) -> Any:
             prompt_logprobs=data.prompt_logprobs is not None, with_usage=data.include_usage_in_stream(),
             continuous_usage=data.continuous_usage(),
         )  # fmt: skip
-        return Generation(inputs, params, formatter)
+        echo_ids = data.echo and any(choice.prompt_token_ids is not None for choice in inputs)
+        echo = _echo_token_prompts(route) if echo_ids else None
+        return Generation(inputs, params, formatter, after_admission=echo)
 
     serving = serve_generation(data.model, plan_for, data.stream, data.timeout, trace_context.TEXT_COMPLETION)
     # `tokens`: the Detokenize for echo refused the token-id prompt.
@@ -142,6 +147,25 @@ def check_generation_count(route: ModelRoute, prompts: int, n: int) -> None:
             "send fewer prompts per request or a smaller n",
             param="n" if prompts == 1 else "prompt",
         )
+
+
+def _echo_token_prompts(route: ModelRoute) -> Callable[[RequestOwner], Awaitable[None]]:
+    """What puts each token-id prompt's text into its choices for echo, once the request is admitted
+    on `route`: decoding it earlier would ask a model that may have no ready worker (one that a
+    fallback answers for, or that is still loading) and fail the request."""
+
+    async def echo(owner: RequestOwner) -> None:
+        texts: dict[int, str] = {}
+        for choice in owner.choices:
+            ids = choice.input.prompt_token_ids
+            if ids is None:
+                continue
+            index = choice.input.prompt_index
+            if index not in texts:
+                texts[index] = await _prompt_text(route, ids)
+            choice.input = replace(choice.input, echo=texts[index])
+
+    return echo
 
 
 async def _prompt_text(route: ModelRoute, token_ids: list[int]) -> str:

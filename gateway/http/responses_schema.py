@@ -241,9 +241,13 @@ def _refuse_malformed_text(text: dict[str, Any]) -> None:
 def in_responses_terms(error: APIError) -> APIError:
     """`error` naming this API's field where it names the chat request's (a worker's rejection of a
     prompt too long names `messages`; here that is `input`)."""
-    field = _CHAT_TO_RESPONSES.get((error.param or "").split(".")[0])
+    chat_field = (error.param or "").split(".")[0]
+    field = _CHAT_TO_RESPONSES.get(chat_field)
     if field is None:
         return error
     renamed = copy.copy(error)
     renamed.param = field
+    # A message that opens with the chat field's name ("max_tokens must not exceed ...") names it too.
+    if re.match(rf"{chat_field}[ :]", error.message):
+        renamed.message = field + error.message[len(chat_field) :]
     return renamed

@@ -271,6 +271,7 @@ class ChatMessage(BaseModel):
     name: str | None = None
     tool_calls: list[ToolCallItem] | None = None
     tool_call_id: str | None = None
+    function_call: FunctionCall | None = Field(None, description="Legacy: an assistant's one call.")
 
     @field_validator("content")
     @classmethod
@@ -285,15 +286,19 @@ class ChatMessage(BaseModel):
         if isinstance(self.content, list):
             texts = []
             for part in self.content:
-                if part.type not in ("text", "input_text", "output_text") or part.text is None:
+                if part.type not in ("text", "input_text", "output_text"):
                     raise InvalidRequest(
                         f"content part type {part.type!r} is not supported", param="messages"
                     )
+                if part.text is None:  # a text part without its text: not an unsupported type
+                    raise InvalidRequest(f"a content part of type {part.type!r} needs text", param="messages")
                 texts.append(part.text)
             content = "".join(texts)
         else:
             content = self.content or ""
         calls = [wire.ToolCall(c.id, c.function.name, c.function.arguments) for c in self.tool_calls or []]
+        if self.function_call is not None and not calls:  # the legacy functions API's call
+            calls = [wire.ToolCall("", self.function_call.name, self.function_call.arguments)]
         return wire.ChatMessage(self.role, content, self.name or None, calls, self.tool_call_id)
 
 

@@ -7,10 +7,11 @@ admission (refusals are HTTP errors before any stream opens), then either one JS
 stream that writes what is already queued as one chunk, keep-alives on a quiet stream, an error
 event when the request ends early after the stream opened, and the owner's close on every path,
 a client's disconnect included; and fallbacks: a model whose queue is full or which has no ready
-worker hands the request to the first of its registry `fallbacks` that can take it, and the
-response names the model that answered. A surface brings a `Formatter` (its JSON and event
-shapes) and the choice inputs and sampling parameters for the model that will answer, built for
-that model (its defaults, tool and reasoning parsers), so a fallback gets its own.
+worker hands the request to the first of its registry `fallbacks` that can take it (one that would
+refuse it, a shorter context say, is passed over), and the response names the model that answered.
+A surface brings a `Formatter` (its JSON and event shapes) and the choice inputs and sampling
+parameters for the model that will answer, built for that model (its defaults, tool and reasoning
+parsers), so a fallback gets its own.
 """
 
 from __future__ import annotations
@@ -80,6 +81,9 @@ class Generation:
     params: SamplingParams
     formatter: Formatter
     text_plan: TextPlan | None = None  # what the gateway itself watches for in the text
+    # Work on the model that answers, once its jobs are admitted: by then it is the model that
+    # answers (a fallback, perhaps) and it has a ready worker (a token-id prompt's text for echo).
+    after_admission: Callable[[RequestOwner], Awaitable[None]] | None = None
 
 
 # (the route that will answer, the model name the response shows) -> the generation for it
@@ -121,6 +125,13 @@ async def serve_generation(
             span.end(exc.status, [], 0, 0, None, exc)
         raise
     await owner.admit()  # refusals (400, 429, 503, 408) surface here, before any stream opens
+    if generation.after_admission is not None:
+        try:
+            await generation.after_admission(owner)
+        except APIError as exc:
+            owner.abort(exc)  # its jobs are cancelled, and the request is logged with this error
+            owner.close()
+            raise
     formatter = generation.formatter
     if stream:
         return event_stream(_stream(owner, formatter))
@@ -156,7 +167,15 @@ async def _fallback_if_needed(
             continue  # removed by a reload since the registry was checked
         if route.config.task != "generate" or not may_use(route.config.name):
             continue
-        candidate = await plan_for(route, route.config.name)  # the response names who answered
+        try:
+            candidate = await plan_for(route, route.config.name)  # the response names who answered
+        except InvalidRequest as exc:
+            # The request is valid for its own model, but this fallback cannot take it (a shorter
+            # context, fewer slots, no tool or reasoning parser): its 400 would tell the client the
+            # request itself is wrong, and that it is no use retrying.
+            logger.debug("model %s cannot take a request for %s: %s", route.config.name,
+                         primary.config.name, exc.message)  # fmt: skip
+            continue
         if route.fallback_reason(len(candidate.inputs), size) is None:
             logger.info(
                 "model %s: %s; model %s answers instead", primary.config.name, reason, route.config.name
