@@ -41,7 +41,7 @@ from bench.link_sink import MODES, FrameSink  # noqa: E402
 from bench.streams import median_interval  # noqa: E402
 from wire.results import JobOutput  # noqa: E402
 
-SENDING = ("link", "link-held", "link-beside", "direct", "take-send")  # the modes whose frames reach the sink
+SENDING = ("link", "link-beside", "direct", "take-send")  # the modes whose frames reach the sink
 SMALL = torch.randn(8, 8)
 WAIT = torch.randn(192, 192)
 

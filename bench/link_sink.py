@@ -6,9 +6,7 @@ standing in for the gateway) and the senders that the in-process rounds call aft
 
 - `link`: the worker's own LinkThread encodes and sends the frame on its thread, as a worker does;
   the engine thread only hands the message over;
-- `link-held`: the same, with the link thread's doorbell reads and sends keeping the GIL
-  (model_worker.held_gil_io), so that each frame passes the GIL to it and back once, not three times;
-- `link-beside`: the same as `link`, with the link thread meant to run on the engine thread's own core (the
+- `link-beside`: the same, with the link thread meant to run on the engine thread's own core (the
   caller pins it there, with `beside_threads()`): a GIL hand-over then needs no other core to wake;
 - `direct`: the engine thread encodes and sends the frame itself, on a socket of its own: what the
   frame costs with no second thread taking the GIL (a worker never does this);
@@ -36,7 +34,7 @@ import zmq
 from model_worker.link_thread import LinkThread
 from wire import messages as wire
 
-SENDER_MODES = ("link", "link-held", "link-beside", "direct")
+SENDER_MODES = ("link", "link-beside", "direct")
 FLOOR_MODES = ("take", "take-send")
 MODES = (*SENDER_MODES, *FLOOR_MODES)
 END = b"end "  # the closer's frame: how many senders say goodbye
@@ -98,7 +96,7 @@ class FrameSink:
             return lambda outputs: sock.send(wire.encode(wire.Step(outputs)))
         if mode in FLOOR_MODES:
             return self._floor_sender(sock, send=mode == "take-send")
-        link = LinkThread(sock, patience_s=60.0, forward=frozenset(), keep_gil=mode == "link-held")
+        link = LinkThread(sock, patience_s=60.0, forward=frozenset())
         link.start()
         self._links.append(link)
         if mode == "link-beside":

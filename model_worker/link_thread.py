@@ -11,10 +11,6 @@ their tokens wait for it. Every message for the engine thread passes through the
 arrival order (a Cancel never overtakes its Generate or Embed), and the engine thread takes them
 from `take()`.
 
-The link thread reads its doorbell and sends a single gateway's frames without letting go of the GIL
-(model_worker.held_gil_io): those calls never block, and each time it let go, the engine thread took
-the GIL and then had to sleep until this thread was done with it again.
-
 Nothing is ever dropped: when ZeroMQ's queue to the gateway is full, the frame waits here and
 `send()` waits once the bounded hand-over queue is full too (backpressure: the engine pauses while
 the gateway catches up). A gateway that takes nothing for `patience_s` is gone or wedged, and the
@@ -41,7 +37,6 @@ from typing import TYPE_CHECKING, Any
 
 import zmq
 
-from model_worker import held_gil_io
 from model_worker.native_names import name_this_thread
 from model_worker.outbox import Outbox, PeerUnresponsive
 from wire import messages as wire
@@ -57,10 +52,6 @@ logger = logging.getLogger(__name__)
 # output; past it the engine waits (backpressure).
 MAX_OUTBOUND = 4096
 BELL_READ_BYTES = 4096  # rings are one byte each: a read this long that comes back short took them all
-# The link thread reads its doorbell and sends a single gateway's frames keeping the GIL
-# (model_worker.held_gil_io), unless this says "0": then through os.read and pyzmq, which let go of
-# it around each call (the engine thread's sleeps per step, about 2.5 against 1.0-1.4).
-KEEP_GIL_VARIABLE = "GATEWAY_LINK_KEEPS_GIL"
 _WAKE = object()  # an inbound item that only wakes the engine thread (a stop was requested)
 _STOP = object()  # the prompt thread's last item
 
@@ -76,15 +67,8 @@ class LinkThread:
         patience_s: float,
         forward: frozenset[type[wire.Message]],
         peers: GatewayPeers | None = None,
-        keep_gil: bool | None = None,
     ) -> None:
-        """`keep_gil`: whether this thread's own reads and sends keep the GIL (None: as
-        GATEWAY_LINK_KEEPS_GIL says, on unless it is "0")."""
         self._sock = sock
-        if keep_gil is None:
-            keep_gil = os.environ.get(KEEP_GIL_VARIABLE, "1") != "0"
-        self._held_io: held_gil_io.HeldGilIO | None = None
-        self._keep_gil = keep_gil and held_gil_io.available()
         self._peers = peers  # a listening worker's gateways; None: one gateway, over a DEALER
         self._forward = forward  # the message types the engine thread takes as they are
         self.patience_s = patience_s
@@ -274,9 +258,6 @@ class LinkThread:
             self._inbound.put(_LinkFailed())
 
     def _loop(self) -> None:
-        if self._keep_gil:
-            self._held_io = held_gil_io.HeldGilIO(self._sock, self._bell_read)
-            self._outbox.send_one = self._held_io.send_nowait
         poller = zmq.Poller()
         poller.register(self._bell_read, zmq.POLLIN)
         watched = 0
@@ -305,9 +286,6 @@ class LinkThread:
     def _clear_bell(self) -> None:
         # A short read has emptied the pipe: no second read just to hear EAGAIN. Each call here
         # lets go of the GIL and takes it back, which the engine thread may then have to wait for.
-        if self._held_io is not None:
-            self._held_io.clear_bell()
-            return
         try:
             while len(os.read(self._bell_read, BELL_READ_BYTES)) == BELL_READ_BYTES:
                 pass

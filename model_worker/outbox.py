@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import collections
 import time
-from collections.abc import Callable
 
 import zmq
 
@@ -42,9 +41,6 @@ class Outbox:
         self._frames: dict[bytes | None, collections.deque[bytes]] = {}  # only gateways with frames
         self._blocked_since: dict[bytes | None, float] = {}
         self._full: set[bytes] = set()  # gateways past MAX_BACKLOG, not stuck yet
-        # A single gateway's sends, made keeping the GIL (model_worker.held_gil_io), once the link
-        # thread has set it; else pyzmq's.
-        self.send_one: Callable[[bytes], bool] | None = None
 
     def __bool__(self) -> bool:
         return bool(self._frames)
@@ -92,12 +88,11 @@ class Outbox:
     def _push_one(self, peer: bytes | None, frames: collections.deque[bytes]) -> str | None:
         while frames:
             try:
-                taken = self._hand(peer, frames[0])
-            except zmq.ZMQError as exc:
-                if peer is None or exc.errno != zmq.EHOSTUNREACH:
-                    raise
-                return "its connection is gone"  # killed, or its host cut off
-            if not taken:
+                if peer is None:
+                    self._sock.send(frames[0], zmq.NOBLOCK)
+                else:
+                    self._sock.send_multipart([peer, frames[0]], zmq.NOBLOCK)
+            except zmq.Again:
                 now = time.monotonic()
                 since = self._blocked_since.setdefault(peer, now)
                 if since == now:
@@ -108,22 +103,13 @@ class Outbox:
                         raise PeerUnresponsive(f"the gateway {why}") from None
                     return f"it {why}"
                 return None
+            except zmq.ZMQError as exc:
+                if peer is None or exc.errno != zmq.EHOSTUNREACH:
+                    raise
+                return "its connection is gone"  # killed, or its host cut off
             frames.popleft()
             self._blocked_since.pop(peer, None)
         return None
-
-    def _hand(self, peer: bytes | None, frame: bytes) -> bool:
-        """One frame to ZeroMQ without waiting; False if its queue to that gateway is full."""
-        if peer is None and self.send_one is not None:
-            return self.send_one(frame)
-        try:
-            if peer is None:
-                self._sock.send(frame, zmq.NOBLOCK)
-            else:
-                self._sock.send_multipart([peer, frame], zmq.NOBLOCK)
-        except zmq.Again:
-            return False
-        return True
 
     def send_leftovers(self) -> bool:
         """Whatever ZeroMQ takes without waiting, gateway by gateway; False if some frame stayed."""

@@ -62,16 +62,9 @@ def big(i: int) -> wire.Tokens:
     return wire.Tokens(f"r{i}", [], "x" * 65536)
 
 
-# Both ways of reading the doorbell and sending: keeping the GIL (the default) and through pyzmq.
-KEEP_GIL = pytest.mark.parametrize("keep_gil", [True, False], ids=["gil-kept", "gil-released"])
-
-
-@KEEP_GIL
-def test_a_full_queue_waits_for_the_gateway_and_loses_nothing(
-    sockets: tuple[zmq.Socket, zmq.Socket], keep_gil: bool
-) -> None:
+def test_a_full_queue_waits_for_the_gateway_and_loses_nothing(sockets: tuple[zmq.Socket, zmq.Socket]) -> None:
     dealer, router = sockets
-    link = LinkThread(dealer, patience_s=30.0, forward=FORWARD, keep_gil=keep_gil)
+    link = LinkThread(dealer, patience_s=30.0, forward=FORWARD)
     link.start()
     count = 40  # far more than the socket's buffers hold
     for i in range(count):
@@ -82,13 +75,12 @@ def test_a_full_queue_waits_for_the_gateway_and_loses_nothing(
     assert link.close(flush_s=5.0)
 
 
-@KEEP_GIL
 def test_a_gateway_that_takes_nothing_fails_the_engine_thread(
-    sockets: tuple[zmq.Socket, zmq.Socket], monkeypatch: pytest.MonkeyPatch, keep_gil: bool
+    sockets: tuple[zmq.Socket, zmq.Socket], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     dealer, _ = sockets
     monkeypatch.setattr(link_thread, "MAX_OUTBOUND", 4)
-    link = LinkThread(dealer, patience_s=0.3, forward=FORWARD, keep_gil=keep_gil)
+    link = LinkThread(dealer, patience_s=0.3, forward=FORWARD)
     link.start()
     with pytest.raises(PeerUnresponsive, match="took no frame"):
         for i in range(1000):  # the hand-over queue fills, then the patience runs out
