@@ -298,7 +298,9 @@ class Supervisor:
                 self._kill(handle)
         elif isinstance(message, wire.Fatal):
             handle.death_cause = message.message
-            logger.error("worker %s reported a fatal error: %s", worker_id, message.message)
+            # A warning: the ERROR line that says why it stopped, and how many jobs end with it,
+            # follows once its process is gone (one ERROR line per dying worker).
+            logger.warning("worker %s reported a fatal error: %s", worker_id, message.message)
             # Its requests end now, with the cause it gave, not when its process is finally gone
             # (tearing down torch can take seconds, and a watchdog must not rename the cause meanwhile).
             self.fail_requests(handle, message.message)

@@ -148,13 +148,21 @@ def test_worker_death_mid_stream_ends_with_error_event(
 
 
 def test_worker_death_before_stream_is_503(gateway: GatewayProcess) -> None:
-    wait_ready(gateway, "faulty")
+    before = wait_ready(gateway, "faulty")
+    log_start = gateway.log_path.stat().st_size
     response = httpx.post(gateway.url + "/v1/completions", json=completion("faulty", "<<crash>>"), timeout=30)
     assert response.status_code == 503
     # No wall-clock bound: the worker's death ends the request (a hang would show as the client's
     # 30 s timeout). Which watchdog names the cause is checked in the mid-stream test above.
     assert response.json()["error"]["code"] == "worker_failed"
+    wait_worker(gateway, "faulty", "to be restarted", lambda w: w["restarts"] == before["restarts"] + 1)
     wait_ready(gateway, "faulty")
+    with open(gateway.log_path, errors="replace") as log:
+        log.seek(log_start)
+        lines = log.read().splitlines()
+    # The worker's own report of its fatal error, then one ERROR line of the gateway's with the cause.
+    errors = [line for line in lines if " ERROR gateway." in line]
+    assert len(errors) == 1 and "stopped: RuntimeError: injected engine fault" in errors[0], errors
 
 
 def test_a_killed_worker_is_logged_once_not_once_per_request(gateway: GatewayProcess) -> None:
