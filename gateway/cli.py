@@ -14,12 +14,11 @@ import logging
 import os
 import sys
 from importlib import metadata
-from pathlib import Path
 
 from gateway.cli_files import cmd_fetch_demo_model, cmd_keys, cmd_make_demo_model
 from gateway.config.api_keys import check_bind_allowed, keys_file_path, parse_keys_file
+from gateway.config.host_checks import host_problems, runtime_dir_problem
 from gateway.config.hub import is_downloaded
-from gateway.config.hub import offline as hub_offline
 from gateway.config.placement import check_placement, discover_gpus
 from gateway.config.registry import ConfigError, Registry, load_registry
 from gateway.observability.logging_setup import configure_logging
@@ -43,7 +42,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         if args.own_port == port != 0:  # 0 picks a free port for each, never the same one
             raise ConfigError(f"--own-port {port} is the serving port too; give it a port of its own")
     check_bind_allowed(registry, host, os.environ)  # no keys: loopback only
-    runtime_dir = _runtime_dir_problem(registry)
+    runtime_dir = runtime_dir_problem(registry)
     if runtime_dir is not None:
         raise ConfigError(f"{registry.source}: {runtime_dir}")
     _check_placement(registry)
@@ -77,20 +76,6 @@ def _port(value: str | int, given_as: str) -> int:
     return port
 
 
-def _runtime_dir_problem(registry: Registry) -> str | None:
-    """Why server.runtime_dir cannot hold the workers' socket on this host, or None."""
-    folder = registry.server.runtime_dir
-    if folder is None:
-        return None
-    where = f"server, field 'runtime_dir': {folder}"
-    existing = next((p for p in (folder, *folder.absolute().parents) if p.exists()), None)
-    if existing == folder and not folder.is_dir():
-        return f"{where} exists and is not a folder"
-    if existing is not None and existing != folder and not os.access(existing, os.W_OK | os.X_OK):
-        return f"{where} cannot be made: {existing} is not writable"
-    return None
-
-
 def _check_placement(registry: Registry) -> None:
     if not any(model.gpus or model.replica_gpus for model in registry.models):
         return  # CPU-only registry: nothing to place
@@ -99,37 +84,6 @@ def _check_placement(registry: Registry) -> None:
         logging.getLogger("gateway.config.placement").warning("%s", warning)
     if errors:
         raise ConfigError(f"{registry.source}: " + f"\n{registry.source}: ".join(errors))
-
-
-def _host_problems(registry: Registry) -> list[str]:
-    """What stops this registry from starting on this host: model folders that are missing, GPU
-    indices it does not have, weights larger than their GPUs. Remote models are checked on theirs."""
-    problems = []
-    for model in registry.models:
-        if model.remote:
-            continue
-        if model.hub is not None:
-            if not is_downloaded(model.path) and hub_offline():
-                problems.append(
-                    f"model {model.name!r}, field 'path': {model.hub} is not in the model cache "
-                    f"({model.path}) and this host is offline (HF_HUB_OFFLINE=1)"
-                )
-        elif not _is_folder(model.path):
-            problems.append(f"model {model.name!r}, field 'path': {model.path} is not a folder on this host")
-    runtime_dir = _runtime_dir_problem(registry)
-    if runtime_dir is not None:
-        problems.append(runtime_dir)
-    if any(model.gpus or model.replica_gpus for model in registry.models if not model.remote):
-        errors, _ = check_placement(registry, discover_gpus())
-        problems += errors
-    return [f"{registry.source}: {problem}" for problem in problems]
-
-
-def _is_folder(path: Path) -> bool:
-    try:
-        return path.is_dir()
-    except OSError:  # a name too long for this file system: no folder either
-        return False
 
 
 def _cmd_check_config(args: argparse.Namespace) -> int:
@@ -144,7 +98,7 @@ def _cmd_check_config(args: argparse.Namespace) -> int:
     keys_path = keys_file_path(registry)
     if keys_path is not None:
         print(f"ok: API keys file {keys_path} ({len(parse_keys_file(keys_path, registry))} key(s))")
-    problems = _host_problems(registry)
+    problems = host_problems(registry)
     if problems and args.allow_missing:
         for problem in problems:
             print(f"not checked on this host (--allow-missing): {problem}")

@@ -2,8 +2,10 @@
 
 Runs in the gateway process, on its asyncio loop. Owns the one reload that may run at a time, its
 background task, and the last few reloads' records. `POST /admin/reload` and SIGHUP start one:
-the new file is read and validated first (an invalid file changes nothing and is refused at
-once), then `Gateway.apply_registry` runs in the background while `GET /admin/reload/{id}`
+the new file is read and validated first, with the host checks of `gateway check-config` (model
+folders, GPUs) for the local models it adds or changes; a file that fails them changes nothing and
+is refused at once, and so is any reload once the SIGTERM drain has begun. Then
+`Gateway.apply_registry` runs in the background while `GET /admin/reload/{id}`
 shows its progress: the changes, how many requests it ended, and the state of every model it
 starts. A reload is `applying` while old workers drain, then `applied` (every new worker
 launched); `models_ready` says when every model it started is serving.
@@ -24,9 +26,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gateway.config.host_checks import host_problems
 from gateway.config.registry import ConfigError, Registry, load_registry
 from gateway.core import Gateway
-from gateway.errors import Conflict
+from gateway.errors import Conflict, ServiceUnavailable
 from gateway.heap import refreeze_after_reload
 from gateway.workers.reload_plan import worker_changes
 from wire.states import WorkerState
@@ -90,8 +93,10 @@ class Reloads:
         return self.records[max(self.records)] if self.records else None
 
     async def start(self) -> ReloadRecord:
-        """Validate the registry file and start applying it; ConfigError if it is invalid,
-        ReloadInProgress while another reload applies."""
+        """Validate the registry file and start applying it; ConfigError if it is invalid or fails
+        the host checks, ReloadInProgress while another reload applies, ServiceUnavailable
+        (`shutting_down`) once the SIGTERM drain has begun."""
+        self._refuse_while_draining()
         source = self.gateway.registry.source
         if source is None:
             raise ConfigError("the running registry was not loaded from a file")
@@ -104,17 +109,47 @@ class Reloads:
         try:
             # Reading runs the engines' settings check in a child process: off the event loop.
             new = await asyncio.to_thread(load_registry, source)
+            changes = self.gateway.plan(new)
+            # Folder checks and GPU discovery touch the disk and may run nvidia-smi: off the loop.
+            await asyncio.to_thread(self._check_host, new, changes)
+            # The drain may have begun while the file was read: a gateway on its way out changes
+            # nothing more, here or (through the leader) in the cluster.
+            self._refuse_while_draining()
             record.workers_reload = await self._ask_the_leader(new)
+            self._refuse_while_draining()
         except BaseException:
             self._running = None
             raise
         self._next_id += 1
-        record.changes = self.gateway.plan(new)
+        record.changes = changes
         self.records[record.id] = record
         for old in sorted(self.records)[:-KEPT_RECORDS]:
             del self.records[old]
         record.task = asyncio.create_task(self._apply(record, new), name=f"reload-{record.id}")
         return record
+
+    def _refuse_while_draining(self) -> None:
+        # The drain stops every worker: a reload then would only retire the working ones and
+        # start replacements that never serve (no worker starts once the drain has begun).
+        if self.gateway.service.draining:
+            raise ServiceUnavailable(
+                "the server is shutting down: reload refused, nothing changed", code="shutting_down"
+            )
+
+    def _check_host(self, new: Registry, changes: dict[str, list[str]]) -> None:
+        """ConfigError unless the local models the reload starts (added or changed) can start on
+        this host: the checks of `gateway check-config`, so that a file it rejects is never applied
+        (its workers would fail at once, after the working ones were retired). Unchanged models keep
+        their running workers and are not checked again; the server section only applies after a
+        restart, so the running one stands in for it."""
+        starting = set(changes["added"] + changes["changed"])
+        models = [m for m in new.models if m.name in starting and not m.remote]
+        if not models:
+            return
+        checked = new.model_copy(update={"models": models, "server": self.gateway.registry.server})
+        problems = host_problems(checked)
+        if problems:
+            raise ConfigError("\n".join(problems))
 
     async def _ask_the_leader(self, new: Registry) -> dict[str, Any] | None:
         """Cluster mode: listening workers whose settings change are restarted by the leader, once

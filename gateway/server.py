@@ -2,7 +2,8 @@
 
 Runs in the gateway process. Owns the shutdown sequence: on SIGTERM/SIGINT new requests get 503
 (the service is draining), in-flight requests get `shutdown_grace_s` to finish, then Hypercorn
-stops and `after_serving` stops every worker. The process exits 0. Once started, the heap that
+stops and `after_serving` stops every worker. The process exits 0. SIGHUP starts a registry reload
+(gateway.reloads), refused and logged once the drain has begun. Once started, the heap that
 start-up built is frozen out of the garbage collector's full passes.
 """
 
@@ -102,6 +103,8 @@ async def run_server(registry: Registry, host: str, port: int, own_port: int | N
             logger.error("SIGHUP reload refused; the running models are unchanged: %s", exc)
         except Conflict as exc:
             logger.error("SIGHUP reload refused: %s", exc.message)
+        except ServiceUnavailable as exc:  # the SIGTERM drain has begun (gateway.reloads)
+            logger.warning("SIGHUP ignored: %s", exc.message)
 
     def on_sighup() -> None:
         task = loop.create_task(reload_on_signal())

@@ -10,8 +10,10 @@ changes and `progress`: GET /admin/reload/{id} (or /admin/reload for the latest)
 (in cluster mode also `workers_reload.status`: the leader's restarts of listening workers, read
 from etcd).
 `?wait=SECONDS` (at most 600) waits that long for the apply to finish and then answers 200 with
-the outcome, or 202 if it is still applying. An invalid new file changes nothing (400), and a
-second reload while one applies is refused (409).
+the outcome, or 202 if it is still applying. An invalid new file, or one whose added or changed
+local models fail `gateway check-config`'s host checks (a missing folder), changes nothing (400); a
+second reload while one applies is refused (409), and so is any once the SIGTERM drain has begun
+(503 `shutting_down`). Load and unload take a model's name or alias and answer with its name.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from quart import Blueprint, Quart, current_app, jsonify, request
 
 from gateway.cluster.decisions import Outcome
 from gateway.config.registry import ConfigError
-from gateway.errors import Conflict, InvalidRequest, ModelNotFound, NotFound
+from gateway.errors import Conflict, InvalidRequest, NotFound
 from gateway.http.current import current_gateway
 from gateway.reloads import ReloadRecord, Reloads
 from wire import messages as wire
@@ -99,35 +101,27 @@ async def _reload_view(record: ReloadRecord) -> dict[str, Any]:
     return view
 
 
-def _handles(name: str) -> list[Any]:
-    gateway = current_gateway()
-    route = gateway.router.route(name)
-    return list(route.replicas)
-
-
 @blueprint.post("/admin/models/<path:name>/load")
 async def load_model(name: str) -> Any:
     gateway = current_gateway()
-    handles = _handles(name)
-    if not handles:
-        raise (
-            ModelNotFound(name)
-            if gateway.router.routes.get(name) is None
-            else InvalidRequest(
-                f"model '{name}' is served by remote workers; start them on their hosts", code="remote_model"
-            )
+    route = gateway.router.route(name)  # `name` may be an alias; the answer names the model itself
+    model, handles = route.config.name, list(route.replicas)
+    if not handles:  # a local model always has its workers' handles: these are remote
+        raise InvalidRequest(
+            f"model '{model}' is served by remote workers; start them on their hosts", code="remote_model"
         )
     for handle in handles:
         gateway.supervisor.launch(handle)
-    return jsonify({"model": name, "workers": [h.describe() for h in handles]}), 202
+    return jsonify({"model": model, "workers": [h.describe() for h in handles]}), 202
 
 
 @blueprint.post("/admin/models/<path:name>/unload")
 async def unload_model(name: str) -> Any:
     gateway = current_gateway()
-    handles = _handles(name)
-    ended = await gateway.unload(name)
-    return jsonify({"model": name, "requests_ended": ended, "workers": [h.describe() for h in handles]})
+    route = gateway.router.route(name)  # `name` may be an alias; the answer names the model itself
+    model, handles = route.config.name, list(route.replicas)
+    ended = await gateway.unload(model)
+    return jsonify({"model": model, "requests_ended": ended, "workers": [h.describe() for h in handles]})
 
 
 @blueprint.post("/admin/workers/<path:worker_id>/retire")

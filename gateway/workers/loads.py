@@ -25,10 +25,10 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from gateway.config import hub
+from gateway.config.host_checks import is_folder
 from gateway.config.placement import free_memory_bytes, memory_shortfall
 from gateway.link.handle import WorkerHandle
 from wire.states import HOLDS_PROCESS, WorkerState
@@ -63,7 +63,7 @@ class LoadGate:
         model = handle.model
         if model.hub is not None:
             await self._download(handle)
-        elif not await asyncio.to_thread(_is_folder, model.path):
+        elif not await asyncio.to_thread(is_folder, model.path):
             source = self.pool.registry.source
             where = f"{source}: " if source is not None else ""
             where += f"model {model.name!r}, field 'path'"
@@ -137,10 +137,3 @@ class LoadGate:
                 logger.info("exclusive group %s: unloading %s to load %s", group, name, handle.model.name)
                 why = f"model '{name}' was unloaded to load '{handle.model.name}' (exclusive group {group})"
                 await self.unload(name, why)
-
-
-def _is_folder(path: Path) -> bool:
-    try:
-        return path.is_dir()
-    except OSError:  # a name too long for this file system, a folder not readable: none either
-        return False

@@ -1,9 +1,13 @@
-"""Operators change the running set: reload models.yaml (HTTP and SIGHUP), load/unload, on-demand."""
+"""Operators change the running set: reload models.yaml (HTTP and SIGHUP), load/unload, on-demand.
+A reload that `gateway check-config` would reject on this host, or one during the SIGTERM drain,
+changes nothing."""
 
 from __future__ import annotations
 
 import json
 import signal
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -48,9 +52,8 @@ def complete(gateway: GatewayProcess, model: str, **extra: object) -> httpx.Resp
 @pytest.fixture()
 def setup(tmp_path: Path, demo_model_dir: Path) -> Iterator[tuple[GatewayProcess, Path, Path]]:
     config = tmp_path / "models.yaml"
-    write_registry(
-        config, [demo_entry("keep", demo_model_dir), demo_entry("change", demo_model_dir)], shutdown_grace_s=5
-    )
+    change = demo_entry("change", demo_model_dir, aliases=["changing"])
+    write_registry(config, [demo_entry("keep", demo_model_dir), change], shutdown_grace_s=5)
     with GatewayProcess(config) as gateway:
         yield gateway, config, demo_model_dir
 
@@ -150,6 +153,97 @@ def test_unload_then_load(setup: tuple[GatewayProcess, Path, Path]) -> None:
     assert httpx.post(gateway.url + "/admin/models/change/load", timeout=30).status_code == 202
     wait_state(gateway, "change", "ready")
     assert complete(gateway, "change").status_code == 200
+
+
+def test_reload_refused_when_check_config_rejects_a_model_it_starts(
+    setup: tuple[GatewayProcess, Path, Path],
+) -> None:
+    """A changed or added local model whose folder is not on this host: `gateway check-config`
+    rejects the file, and so does a reload (HTTP and SIGHUP), before it retires anything."""
+    gateway, config, model_dir = setup
+    before = {w["model"]: w["pid"] for w in gateway.workers()}
+    missing = config.parent / "not-on-this-host"
+    entries = [demo_entry("keep", model_dir), demo_entry("change", missing), demo_entry("added", missing)]
+    write_registry(config, entries, shutdown_grace_s=5)
+    checked = subprocess.run(
+        [sys.executable, "-m", "gateway", "check-config", str(config)],
+        capture_output=True, text=True, cwd=REPO_ROOT, env=gateway.env, timeout=120,
+    )  # fmt: skip
+    problems = [line.removeprefix("config error: ") for line in checked.stderr.splitlines()
+                if "is not a folder on this host" in line]  # fmt: skip
+    assert checked.returncode == 2 and len(problems) == 2, checked.stderr
+    reply = httpx.post(gateway.url + "/admin/reload", timeout=30)
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["code"] == "invalid_config" and error["type"] == "invalid_request_error"
+    for name in ("change", "added"):  # the file, the model and the field, as check-config says them
+        problem = f"{config}: model '{name}', field 'path': {missing} is not a folder on this host"
+        assert problem in problems and problem in error["message"], error["message"]
+    assert httpx.get(gateway.url + "/admin/reload", timeout=5).json()["status"] == "none"
+    assert {w["model"]: w["pid"] for w in gateway.workers()} == before
+    assert complete(gateway, "change").status_code == 200
+
+    gateway.process.send_signal(signal.SIGHUP)  # type: ignore[union-attr]
+    refusal = wait_until(
+        lambda: [line for line in gateway.events().splitlines() if "SIGHUP reload refused" in line],
+        "the SIGHUP reload to be refused",
+        context=gateway.events,
+    )
+    assert "model 'change', field 'path'" in refusal[0], refusal
+    assert httpx.get(gateway.url + "/admin/reload", timeout=5).json()["status"] == "none"
+    assert {w["model"]: w["pid"] for w in gateway.workers()} == before
+    assert all(w["state"] == "ready" for w in gateway.workers())
+
+
+def test_reload_during_the_shutdown_drain_is_refused(tmp_path: Path, demo_model_dir: Path) -> None:
+    """Once SIGTERM's drain has begun a reload changes nothing: 503 `shutting_down` over HTTP, SIGHUP
+    logged and ignored; the worker is not retired and no reload is recorded."""
+    config = tmp_path / "models.yaml"
+    # A grace the test never waits out: the drain ends when the client drops its stream.
+    write_registry(config, [demo_entry("m", demo_model_dir, engine=SLOW_ON_CUE)], shutdown_grace_s=60)
+    with GatewayProcess(config, env=TEST_ENGINES) as gateway:
+        pid = int(workers_of(gateway, "m")[0]["pid"])
+        changed = demo_entry("m", demo_model_dir, engine=SLOW_ON_CUE, max_seq_len=1024)
+        write_registry(config, [changed], shutdown_grace_s=60)
+        body = {"model": "m", "prompt": SLOW_PROMPT, "max_tokens": 2000, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", gateway.url + "/v1/completions", json=body, timeout=60) as response:
+            lines = response.iter_lines()  # kept: a dropped iterator closes the stream
+            next(lines)  # in flight: the drain waits for it
+            gateway.process.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
+
+            def draining() -> bool:
+                ready = httpx.get(gateway.url + "/health/ready", timeout=2)
+                return ready.status_code == 503 and ready.json()["status"] == "draining"
+
+            wait_until(draining, "the drain to begin", context=gateway.events)
+            reply = httpx.post(gateway.url + "/admin/reload", timeout=30)
+            assert reply.status_code == 503, reply.text
+            error = reply.json()["error"]
+            assert error["code"] == "shutting_down" and error["type"] == "service_unavailable_error"
+            gateway.process.send_signal(signal.SIGHUP)  # type: ignore[union-attr]
+            wait_until(
+                lambda: "SIGHUP ignored: the server is shutting down" in gateway.events(),
+                "the SIGHUP to be ignored",
+                context=gateway.events,
+            )
+            assert httpx.get(gateway.url + "/admin/reload", timeout=5).json()["status"] == "none"
+            assert [w["pid"] for w in workers_of(gateway, "m")] == [pid] and pid_alive(pid)
+            assert "reload 1 started" not in gateway.events()
+        # The stream dropped, the drain has nothing left to wait for.
+        assert gateway.process.wait(30) == 0  # type: ignore[union-attr]
+
+
+def test_load_and_unload_by_alias_answer_with_the_models_name(
+    setup: tuple[GatewayProcess, Path, Path],
+) -> None:
+    gateway, _, _ = setup
+    unloaded = httpx.post(gateway.url + "/admin/models/changing/unload", timeout=30)
+    assert unloaded.status_code == 200 and unloaded.json()["model"] == "change", unloaded.text
+    assert workers_of(gateway, "change")[0]["state"] == "unloaded"
+    loaded = httpx.post(gateway.url + "/admin/models/changing/load", timeout=30)
+    assert loaded.status_code == 202 and loaded.json()["model"] == "change", loaded.text
+    wait_state(gateway, "change", "ready")
+    assert complete(gateway, "changing").status_code == 200
 
 
 def documented_when(status: int, code: str) -> str:
