@@ -5,14 +5,17 @@ allows is normalized here, so the rest of the code sees one shape per field. Kno
 (vLLM's and TabbyAPI's) are declared fields: honoured, or refused with a 400 naming them
 (gateway.http.extensions normalizes the structured-output ones); vLLM's that nothing here honours
 are refused by name unless given the value that changes nothing. Genuinely unknown fields are
-accepted and ignored, as OpenAI clients send vendor extensions freely. Nullable fields, free-form
-JSON and the refused vLLM fields follow gateway.http.field_rules. Whether lm-format-enforcer can
-enforce a schema is the worker's call (it imports torch, which the gateway never does), answered
-with an `invalid_response_format` rejection.
+accepted and ignored, as OpenAI clients send vendor extensions freely. Every declared field takes its
+own JSON type only (pydantic's strict mode, as on the Responses and Messages routes): `"n": "2"`,
+`"max_tokens": true` or `"stream": "true"` is a 400 naming the field, never coerced; a whole number
+still fits a float field. Nullable fields, free-form JSON and the refused vLLM fields follow
+gateway.http.field_rules. Whether lm-format-enforcer can enforce a schema is the worker's call (it
+imports torch, which the gateway never does), answered with an `invalid_response_format` rejection.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
@@ -42,18 +45,23 @@ MAX_PROMPTS = 256
 MAX_WORD_LISTS = 256
 # Token ids travel as msgpack ints; bound them here so a wild value is a 400, not an encoder error.
 TokenId = Annotated[int, Field(ge=0, lt=2**31)]
+# A logit_bias key: a token id in ASCII decimal digits (str.isdigit also takes "١٢" and "²").
+_TOKEN_ID_KEY = re.compile(r"[0-9]{1,10}")
+# strict: a value of the wrong JSON type is a 400 naming the field, as OpenAI answers it (never read
+# as a setting the client did not choose); an int still fits a float field.
+_STRICT = ConfigDict(extra="allow", strict=True)
 _STRUCTURED_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
                       "structured_outputs", "json_schema", "regex_pattern")  # fmt: skip
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = _STRICT
     include_usage: bool = False
     continuous_usage_stats: bool = Field(False, description="Usage in every chunk (vLLM).")
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = _STRICT
     refused_extras: ClassVar[dict[str, Refusal]] = UNSUPPORTED_VLLM
 
     model: str = Field(..., min_length=1)
@@ -127,8 +135,12 @@ class _Request(BaseModel):
     @classmethod
     def _bias_range(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
         for key, value in (bias or {}).items():
-            if not key.isdigit() or int(key) >= 2**31:
-                raise ValueError("logit_bias keys must be token ids")
+            if not _TOKEN_ID_KEY.fullmatch(key) or int(key) >= 2**31:
+                shown = key if len(key) <= 20 else key[:20] + "..."
+                raise ValueError(
+                    f"logit_bias keys must be token ids in ASCII decimal digits, 0 to {2**31 - 1} "
+                    f"(got {shown!r})"
+                )
             if not -100.0 <= value <= 100.0:
                 raise ValueError("logit_bias values must be within [-100, 100]")
         return bias
@@ -231,13 +243,13 @@ class _Request(BaseModel):
 
 
 class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = _STRICT
     type: str
     text: str | None = None
 
 
 class FunctionCall(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = _STRICT
     name: str = Field(..., min_length=1)
     arguments: str = ""
 
@@ -245,7 +257,7 @@ class FunctionCall(BaseModel):
 class ToolCallItem(BaseModel):
     """A tool call an assistant message made earlier in the conversation."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = _STRICT
     id: str = ""
     type: Literal["function"] = "function"
     function: FunctionCall
@@ -261,6 +273,7 @@ class ChatMessage(BaseModel):
     # it (or a fuzzer) sends content where the role needs it.
     model_config = ConfigDict(
         extra="allow",
+        strict=True,
         json_schema_extra={
             "if": {"properties": {"role": {"enum": _ROLES_NEEDING_CONTENT}}},
             "then": {"required": ["content"], "properties": {"content": {"not": {"type": "null"}}}},
@@ -303,14 +316,14 @@ class ChatMessage(BaseModel):
 
 
 class FunctionDefinition(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = _STRICT
     name: str = Field(..., min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
     description: str | None = None
     parameters: PlainObject | None = None
 
 
 class ToolDefinition(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = _STRICT
     type: Literal["function"]
     function: FunctionDefinition
 
@@ -320,6 +333,9 @@ class ToolDefinition(BaseModel):
 _UNSUPPORTED_CHAT = {
     "reasoning_effort": "reasoning_effort is not supported: cap thinking with thinking_token_budget "
     "(models with a reasoning_parser)",
+    # OpenRouter's spelling ({effort, max_tokens, exclude, enabled}); null values ask for nothing.
+    "reasoning": "reasoning is not supported: cap thinking with thinking_token_budget (models with a "
+    "reasoning_parser), switch it with chat_template_kwargs",
     "verbosity": "verbosity is not supported",
     "audio": "audio output is not supported",
     "prediction": "predicted outputs (prediction) are not supported",
@@ -380,7 +396,10 @@ class ChatCompletionRequest(_Request):
             raise InvalidRequest("echo is not supported on chat completions", param="echo")
         extra = self.model_extra or {}
         for name, reason in _UNSUPPORTED_CHAT.items():
-            if extra.get(name) is not None:
+            value = extra.get(name)
+            if name == "reasoning" and isinstance(value, dict) and all(v is None for v in value.values()):
+                continue  # {} or {"effort": null}: nothing asked, as the Responses route reads it
+            if value is not None:
                 raise InvalidRequest(reason, param=name)
         modalities = extra.get("modalities")
         if modalities is not None and modalities != ["text"]:
