@@ -115,7 +115,10 @@ def _load(gateway: GatewayProcess) -> dict[str, Any]:
 
 
 def _others(load: dict[str, Any]) -> int:
-    return int(load["active"] + load["queued"] - load["yours"])
+    """Other gateways' jobs, as the gateway reads them (WorkerLoad.others): `yours` is counted by the
+    worker's link thread as it sends the heartbeat, the rest by its engine thread a moment before, so
+    a Generate read in between makes the difference -1 until the next report."""
+    return max(int(load["active"] + load["queued"] - load["yours"]), 0)
 
 
 class Stream(threading.Thread):
