@@ -128,9 +128,10 @@ async def serve_generation(
     if generation.after_admission is not None:
         try:
             await generation.after_admission(owner)
-        except APIError as exc:
-            owner.abort(exc)  # its jobs are cancelled, and the request is logged with this error
-            owner.close()
+        except BaseException as exc:
+            if isinstance(exc, APIError):
+                owner.abort(exc)  # its jobs are cancelled, and the request is logged with this error
+            owner.close()  # else the client left meanwhile (a cancel): its jobs are cancelled, a 499
             raise
     formatter = generation.formatter
     if stream:
