@@ -20,6 +20,16 @@ Each line is one iteration that stepped the engine:
   sleeps      times this thread went to sleep during the step (voluntary context switches: a
               wait for the GIL, a lock, the GPU or I/O; Linux only)
   sleeps_outside  the same between the previous step's end and this step's start
+  cpu_ms      CPU time this thread used during the step, user and system (Linux only): equal to
+              step_ms when the step only computed; below it by what the thread waited (the GPU, the
+              GIL, a lock); the same step costing more CPU in one process than in another means more
+              work or slower execution there, not waiting
+  sys_ms      the system (kernel) part of cpu_ms, as the kernel samples it by its clock ticks: a
+              step reads a whole tick or none, so only a mean over many steps says how much
+  preempted   times the scheduler took the CPU from this thread during the step while it could have
+              run (involuntary context switches: another runnable thread on its CPU)
+  faults      page faults this thread took during the step (minor ones: memory first touched or
+              remapped, e.g. an allocator returning pages to the system and taking them back)
   jobs        jobs that produced output in this step
   tokens      tokens emitted in this step
   first       jobs whose first token came in this step (their prefill finished)
@@ -50,7 +60,7 @@ import os
 import resource
 import time
 from collections.abc import Callable, Sequence
-from typing import IO, Any
+from typing import IO, Any, NamedTuple
 
 TRACE_VARIABLE = "GATEWAY_STEP_TRACE"
 
@@ -83,7 +93,7 @@ class StepTrace:
         self._gather: tuple[float, str] | None = None
         self._allocator_counter: Callable[[], tuple[int, int]] | None = None
         self._allocations = (0, 0)
-        self._sleeps_at_start = self._sleeps_at_end = _thread_sleeps()
+        self._usage_at_start = self._usage_at_end = _thread_usage()
         if self._torch is not None:
             self.count_allocations(_cuda_allocator_counts)
 
@@ -114,7 +124,7 @@ class StepTrace:
             self._prefilled_before = self._prefill_counter()
         if self._cached_counter is not None:
             self._cached_before = self._cached_counter()
-        self._sleeps_at_start = _thread_sleeps()
+        self._usage_at_start = _thread_usage()
         self._step_start = time.perf_counter()
         if self._torch is not None:
             start, end = (self._torch.cuda.Event(enable_timing=True) for _ in range(2))
@@ -124,7 +134,8 @@ class StepTrace:
     def after_step(self, outputs: Sequence[tuple[Any, int, bool]]) -> None:
         """`outputs`: (job id, tokens emitted, finished) for each job with output in this step."""
         self._step_end = time.perf_counter()
-        sleeps = _thread_sleeps()
+        usage = _thread_usage()
+        start = self._usage_at_start
         first_tokens = 0
         for job, tokens, finished in outputs:
             if tokens and job not in self._started_jobs:
@@ -138,8 +149,12 @@ class StepTrace:
             "outside_ms": None
             if self._last_end is None
             else round((self._step_start - self._last_end) * 1000, 3),
-            "sleeps": sleeps - self._sleeps_at_start,
-            "sleeps_outside": None if self._last_end is None else self._sleeps_at_start - self._sleeps_at_end,
+            "sleeps": usage.sleeps - start.sleeps,
+            "sleeps_outside": None if self._last_end is None else start.sleeps - self._usage_at_end.sleeps,
+            "cpu_ms": round((usage.cpu_s - start.cpu_s) * 1000, 3),
+            "sys_ms": round((usage.system_s - start.system_s) * 1000, 3),
+            "preempted": usage.preempted - start.preempted,
+            "faults": usage.faults - start.faults,
             "jobs": len(outputs),
             "tokens": sum(tokens for _, tokens, _ in outputs),
             "first": first_tokens,
@@ -163,7 +178,7 @@ class StepTrace:
             self._allocations = counts
         self._pending = line
         self._last_end = self._step_end
-        self._sleeps_at_end = sleeps
+        self._usage_at_end = usage
 
     def after_send(self) -> None:
         """The step's frame is out (or there was none): write its line."""
@@ -195,13 +210,26 @@ class StepTrace:
         self._file.close()
 
 
-def _thread_sleeps() -> int:
-    """How often the calling thread has gone to sleep so far (voluntary context switches); 0 where
-    the system does not count them per thread."""
+class ThreadUsage(NamedTuple):
+    """The calling thread's running totals, from one getrusage(RUSAGE_THREAD)."""
+
+    sleeps: int  # voluntary context switches
+    preempted: int  # involuntary context switches
+    cpu_s: float  # user and system, exact (the scheduler's own runtime, not sampled by ticks)
+    system_s: float  # sampled by the kernel's ticks: whole steps of 1-4 ms, right only on average
+    faults: int  # minor and major page faults
+
+
+_NO_USAGE = ThreadUsage(0, 0, 0.0, 0.0, 0)  # with cpu_s read on its own
+
+
+def _thread_usage() -> ThreadUsage:
+    """The calling thread's totals so far; zeros where the system does not count them per thread."""
     try:
-        return resource.getrusage(resource.RUSAGE_THREAD).ru_nvcsw
+        u = resource.getrusage(resource.RUSAGE_THREAD)
     except (AttributeError, OSError):
-        return 0
+        return _NO_USAGE._replace(cpu_s=time.thread_time())
+    return ThreadUsage(u.ru_nvcsw, u.ru_nivcsw, time.thread_time(), u.ru_stime, u.ru_minflt + u.ru_majflt)
 
 
 def _cuda_allocator_counts() -> tuple[int, int]:
@@ -238,6 +266,10 @@ def summarize(path: str) -> dict[str, Any]:
             # Means, not medians: most steps sleep 0 or 1 times, and the figure is what they add up to.
             "sleeps_per_step": mean([r.get("sleeps") for r in rows]),
             "sleeps_outside_per_step": mean([r.get("sleeps_outside") for r in rows]),
+            "cpu_ms_p50": median([r.get("cpu_ms") for r in rows]),
+            "sys_ms_p50": median([r.get("sys_ms") for r in rows]),
+            "preempted_per_step": mean([r.get("preempted") for r in rows]),
+            "faults_per_step": mean([r.get("faults") for r in rows]),
             "alloc_retries": sum(r.get("alloc_retries", 0) for r in rows),
             "device_allocs": sum(r.get("device_allocs", 0) for r in rows),
         }

@@ -110,3 +110,36 @@ def test_each_line_counts_the_times_its_thread_slept_in_the_step_and_between_ste
     assert lines[0]["sleeps_outside"] is None  # nothing came before the first step
     summary = summarize(str(path))["all"]
     assert summary["sleeps_per_step"] >= 1.0 and summary["sleeps_outside_per_step"] >= 1.0
+
+
+def test_each_line_says_what_cpu_the_step_used_and_what_it_waited(tmp_path: Path) -> None:
+    """A step that computes uses its wall time as CPU; one that sleeps uses almost none; a step that
+    touches fresh memory takes page faults. This thread's own counters, read around each step."""
+    path = tmp_path / "trace.jsonl"
+    trace = StepTrace(str(path))
+
+    def computing() -> None:
+        deadline = time.thread_time() + 0.03
+        while time.thread_time() < deadline:
+            pass
+
+    def waiting() -> None:
+        time.sleep(0.03)
+
+    def touching() -> None:
+        pages = bytearray(64 << 20)  # 64 MiB, written so that the kernel must back every page
+        pages[::4096] = b"x" * len(pages[::4096])
+
+    for work in (computing, waiting, touching):
+        trace.before_step()
+        work()
+        trace.after_step([("a", 1, False)])
+        trace.after_send()
+    trace.close()
+    computed, waited, touched = (json.loads(line) for line in path.read_text().splitlines())
+    assert computed["cpu_ms"] >= 29.0 and computed["cpu_ms"] <= computed["step_ms"] + 1.0
+    assert waited["step_ms"] >= 29.0 and waited["cpu_ms"] < 5.0 and waited["sleeps"] >= 1
+    assert touched["faults"] >= 1000
+    assert all(line["preempted"] >= 0 and line["sys_ms"] >= 0 for line in (computed, waited, touched))
+    summary = summarize(str(path))["all"]
+    assert summary["cpu_ms_p50"] is not None and summary["faults_per_step"] >= 1000 / 3
