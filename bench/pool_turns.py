@@ -10,6 +10,7 @@ its 95 % interval, and the same for the time to first token added, in ms.
 
     python bench/pool_turns.py bench/results/bench_exllamav3_2026-11-28T0*.json
     python bench/pool_turns.py bench/results/bench_exllamav2_2026-11-28T*.json --path 'gateway, env'
+    python bench/pool_turns.py run1.json 'run2.json@gateway, env'   # that file's row path, the rest's default
 """
 
 from __future__ import annotations
@@ -37,11 +38,11 @@ class Pooled:
     ttft_added_ms: list[float] = field(default_factory=list)
 
 
-def pool(results: list[dict[str, Any]], path: str) -> dict[Key, Pooled]:
-    """Every turn of the rows of `path`, by engine (exllamav2 marked paged or unpaged), prompts
+def pool(results: list[tuple[dict[str, Any], str]]) -> dict[Key, Pooled]:
+    """Every turn of each result's rows of its path, by engine (exllamav2 marked paged or unpaged), prompts
     (new every round or repeated: a repeated prompt is found in the cache) and streams."""
     pooled: dict[Key, Pooled] = defaultdict(Pooled)
-    for result in results:
+    for result, path in results:
         engine, settings = result["engine"], result["settings"]
         if engine == "exllamav2":
             engine += " unpaged" if settings.get("paged") is False else " paged"
@@ -75,11 +76,17 @@ def lines(pooled: dict[Key, Pooled]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("results", nargs="+", type=Path, help="bench_engines.py JSON result files")
+    parser.add_argument(
+        "results", nargs="+", help="bench_engines.py JSON result files; FILE@PATH: that file's rows of PATH"
+    )
     parser.add_argument("--path", default="gateway", help="the row's path to pool (default: gateway)")
     args = parser.parse_args(argv)
-    results = [json.loads(path.read_text()) for path in args.results]
-    for line in lines(pool(results, args.path)):
+    results = []
+    for item in args.results:
+        # A run that measured the shipped worker under another path (a --compare-env worker) says so.
+        name, _, path = item.partition("@")
+        results.append((json.loads(Path(name).read_text()), path or args.path))
+    for line in lines(pool(results)):
         print(line)
 
 
