@@ -15,7 +15,8 @@ Rules once any key source is configured (deny by default):
   (same body, from the same place, before the body is validated), so a key cannot probe which
   models are served; /v1/models lists only its models;
 - /metrics (every model's figures) needs an admin key, a metrics key or a key for every model;
-- /v1/* counts against the key's `rate_limit_rpm` (token bucket) -> 429 with Retry-After;
+- /v1/* counts against the key's `rate_limit_rpm` (token bucket) -> 429 with Retry-After, checked
+  after the model (so the metrics count the 429 with it);
 - a key whose token budget for the UTC day or month is used up (gateway.observability.usage) -> 429
   `insufficient_quota` with Retry-After until the period turns;
 - the request's priority class (gateway.serving.priority) is its X-Priority header, else its key's
@@ -177,6 +178,18 @@ class Authenticator:
         if not any(p.startswith(MODEL_SCOPED_PREFIXES) for p in (path, rule)):
             return
         apply_priority(key)
+        # The model before the limits: their 429s are then counted with the model asked for
+        # (gateway.observability.metrics), and a key's token is not spent on a request for a model
+        # it may not use. The body is read here for every request that gets past the limits anyway.
+        name = g.requested_model = await requested_model()
+        if name is not None:
+            model = self.registry.model(name)
+            # A model that does not exist and one the key may not use get the same 404, here, before
+            # the body is validated: which of the two it was must not show in status, body or timing.
+            if model is None or not key.allows(model.name):
+                logger.info("%s %s refused: key %r may not use model %r", request.method, path, key.name,
+                            name[:100])  # fmt: skip
+                raise ModelNotFound(name)
         wait = await self.counters.rate_wait(key)
         if wait > 0:
             logger.info("%s %s refused: key %r is over its rate limit", request.method, path, key.name)
@@ -195,16 +208,6 @@ class Authenticator:
                 code="insufficient_quota",
                 headers={"Retry-After": str(self.counters.retry_after_s(spent))},
             )
-        name = await requested_model()
-        if name is None:
-            return
-        model = self.registry.model(name)
-        # A model that does not exist and one the key may not use get the same 404, here, before
-        # the body is validated: which of the two it was must not show in status, body or timing.
-        if model is None or not key.allows(model.name):
-            logger.info("%s %s refused: key %r may not use model %r", request.method, path, key.name,
-                        name[:100])  # fmt: skip
-            raise ModelNotFound(name)
 
 
 # Routes that name a model, so the key's model scope and rate limit apply to them.

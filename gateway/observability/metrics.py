@@ -302,19 +302,24 @@ def start_request(model: str) -> RequestRecorder:
 
 
 async def _model_label(status: int) -> str:
-    """The canonical name of the model the request was about, once its route resolved it; for a
-    400 before that, the served model its body names. "" else: label values must stay the few
-    served names, whatever clients send (a 404's name may be anything a client typed)."""
+    """The canonical name of the model the request was about, once its route resolved it; before
+    that, for a 400 or a key's 429 (rate limit, budget), the served model it names. "" else: label
+    values must stay the few served names, whatever clients send (a 404's name may be anything a
+    client typed)."""
     known = log_context().get("model")  # set once the route resolved the model
     if known is not None:
         return known
-    if status != 400 or request.method != "POST":
+    if status not in (400, 429):
         return ""
-    try:  # the body was read (and cached) by the validation that refused it
-        body = await request.get_json(force=True, silent=True)
-    except HTTPException:  # a body that cannot be read (too large): no model to name
-        return ""
-    name = body.get("model") if isinstance(body, dict) else None
+    # Looked up by the key check (gateway.http.auth) before its limits, from the path, the query
+    # or the body; without keys there are no such 429s, and a 400's body was read by its validation.
+    name = g.get("requested_model")
+    if name is None and status == 400 and request.method == "POST":
+        try:
+            body = await request.get_json(force=True, silent=True)
+        except HTTPException:  # a body that cannot be read (too large): no model to name
+            return ""
+        name = body.get("model") if isinstance(body, dict) else None
     if not isinstance(name, str):
         return ""
     config = current_app.extensions["gateway"].registry.model(name)

@@ -68,6 +68,9 @@ class Supervisor:
         self._on_state = on_state
         self.workers: dict[str, WorkerHandle] = {}
         self._generations: dict[str, int] = {}
+        # Restarts of removed local workers, per model and replica, for their successors to carry
+        # on: gateway_worker_restarts_total must not go back at a reload (Prometheus reads a reset).
+        self._removed_restarts: dict[tuple[str, int], int] = {}
         self._stopping = False
         # Shutdown has begun (mark_draining): no worker starts any more, not even to replace one
         # that dies meanwhile (it would load a model only to be stopped, and hold the exit back).
@@ -98,6 +101,7 @@ class Supervisor:
                 model=model,
                 replica=replica,
                 gpus=model.gpus_of_replica(replica),
+                restarts=self._restarts_so_far(model.name, replica),
             )
             if model.load == "on_demand":
                 handle.state, handle.detail = S.UNLOADED, "loads at its first request"
@@ -197,6 +201,9 @@ class Supervisor:
     def remove(self, handle: WorkerHandle) -> None:
         self.workers.pop(handle.id, None)
         self.link.forget(handle.id)
+        if not handle.remote:
+            key = (handle.model.name, handle.replica)
+            self._removed_restarts[key] = max(self._removed_restarts.get(key, 0), handle.restarts)
 
     def forget_remote(self, handle: WorkerHandle) -> None:
         """A remote worker gone for good: its entry, its binding and its route replica go."""
@@ -418,6 +425,13 @@ class Supervisor:
             self._on_state(handle)
 
     # ---- helpers -----------------------------------------------------------------------------
+
+    def _restarts_so_far(self, model: str, replica: int) -> int:
+        """What a model replica's workers restarted before this one: those removed, and one still
+        draining for a reload (each count already includes its predecessors')."""
+        present = (h for h in self.workers.values() if not h.remote and h.model.name == model)
+        counts = [h.restarts for h in present if h.replica == replica]
+        return max([self._removed_restarts.get((model, replica), 0), *counts])
 
     def _kill(self, handle: WorkerHandle) -> None:
         if handle.process and handle.process.returncode is None:

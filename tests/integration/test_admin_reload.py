@@ -5,6 +5,7 @@ changes nothing."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -15,6 +16,7 @@ from typing import Any
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.harness import REPO_ROOT, WAIT_TIMEOUT_S, GatewayProcess, pid_alive, wait_until
 from tests.integration.conftest import demo_entry, write_registry
@@ -425,3 +427,40 @@ def test_reload_ends_a_stream_on_a_changed_model_with_model_reloading(
         assert error["code"] == "model_reloading" and "reloading with new settings" in error["message"]
         view = httpx.get(gateway.url + first.json()["progress"], timeout=5).json()
         assert view["requests_ended"] == 1 or view["status"] == "applying"
+
+
+def test_worker_restarts_counter_only_grows_across_reloads(tmp_path: Path, demo_model_dir: Path) -> None:
+    """gateway_worker_restarts_total is a counter: a reload that replaces a model's worker (changed,
+    or removed and added again) carries its restarts on, or Prometheus would read a reset."""
+    config = tmp_path / "models.yaml"
+    spare = demo_entry("spare", demo_model_dir, load="on_demand")  # a registry holds one model at least
+    write_registry(config, [demo_entry("m", demo_model_dir), spare], restart_backoff_s=0.2)
+
+    def restarts_total() -> float:
+        text = httpx.get(gateway.url + "/metrics", timeout=10).text
+        samples = {
+            (s.name, frozenset(s.labels.items())): s.value
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+        }
+        return samples[("gateway_worker_restarts_total", frozenset({("model", "m"), ("replica", "0")}))]
+
+    def reload(entries: list[dict[str, object]]) -> None:
+        write_registry(config, [*entries, spare], restart_backoff_s=0.2)
+        reply = httpx.post(gateway.url + "/admin/reload?wait=60", timeout=90)
+        assert reply.status_code == 200 and reply.json()["status"] == "applied", reply.text
+
+    with GatewayProcess(config, port=8130) as gateway:
+        os.kill(int(workers_of(gateway, "m")[0]["pid"]), signal.SIGKILL)
+        wait_until(lambda: workers_of(gateway, "m")[0]["restarts"] == 1, "m's worker to be restarted",
+                   context=gateway.events)  # fmt: skip
+        wait_state(gateway, "m", "ready")
+        assert restarts_total() == 1
+        reload([demo_entry("m", demo_model_dir, max_seq_len=1024)])  # changed: a new worker
+        assert wait_state(gateway, "m", "ready")["restarts"] == 1
+        assert restarts_total() == 1
+        reload([])  # removed
+        assert not workers_of(gateway, "m")
+        reload([demo_entry("m", demo_model_dir)])  # and added again
+        assert wait_state(gateway, "m", "ready")["restarts"] == 1
+        assert restarts_total() == 1

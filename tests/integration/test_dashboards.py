@@ -76,10 +76,11 @@ def test_dashboard_is_importable() -> None:
 
 
 def test_all_models_includes_requests_refused_before_a_model_was_known() -> None:
-    """401s, 404s and the 429s of a key's rate limit or budget are counted with model="" (label
-    values stay the served names whatever clients send). "All" must match them too, or the
-    per-key panel never shows a key hitting its limits; a model without a worker (on demand,
-    not loaded) is missing from the variable's list and must still count in "All"."""
+    """401s, 404s and the 429s of a key's rate limit or budget on a request that names no model
+    are counted with model="" (label values stay the served names whatever clients send). "All"
+    must match them too, or the per-key panel never shows a key hitting its limits there; a model
+    without a worker (on demand, not loaded) is missing from the variable's list and must still
+    count in "All"."""
     dashboard = json.loads(DASHBOARD.read_text())
     variable = next(v for v in dashboard["templating"]["list"] if v["name"] == "model")
     assert variable["includeAll"] and re.fullmatch(variable.get("allValue") or "$^", ""), variable

@@ -198,6 +198,15 @@ def test_supervisor_lines_name_worker_and_model(gateway: GatewayProcess) -> None
     assert all(e["worker"] == f"{e['model']}#0" for e in entries), entries
 
 
+def test_state_change_lines_without_a_detail_end_at_the_state(gateway: GatewayProcess) -> None:
+    """A change with no detail (to ready) ends with the new state: no stray space, which the text
+    format showed as two spaces before the line's context."""
+    changes = [e["message"] for e in log_entries(gateway) if e["logger"] == "gateway.link.handle"]
+    for name in MODELS:
+        assert any(re.fullmatch(rf"worker {name}#0: \w+ -> ready", m) for m in changes), changes
+    assert all(m == m.strip() and "  " not in m for m in changes if " -> " in m), changes
+
+
 def test_no_prompt_text_in_the_log(gateway: GatewayProcess) -> None:
     marker = f"zebra-{uuid.uuid4().hex}"
     assert completion(gateway, "prompt-1", prompt=f"say {marker}").status_code == 200
