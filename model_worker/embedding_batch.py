@@ -12,7 +12,9 @@ queued request's inputs), so between engine batches it
 - takes what the link has passed on since (`arrived`): a Cancel (the request's deadline passed, or
   its client left) drops that request's inputs not yet run, and it is never answered, as a
   cancelled generation is not (the gateway has forgotten it).
-While a turn runs the worker is busy (`busy`, model_worker.jobs): its heartbeats report no idle time.
+The requests it holds are the worker's load (`counted`, model_worker.jobs), told as they change: those
+of the running turn still wanted are active, those waiting for the next turn queued, so heartbeats
+report them (and no idle time) and gateways route around a worker busy embedding.
 While tracing is on, each traced Embed's span (model_worker.tracing) runs from its arrival to its
 answer (or its cancel).
 """
@@ -44,13 +46,13 @@ class EmbeddingBatch:
         spans: JobSpans | None = None,
         heartbeat: Callable[[], None] | None = None,
         arrived: Callable[[], None] | None = None,
-        busy: Callable[[bool], None] | None = None,
+        counted: Callable[[int, int], None] | None = None,
     ) -> None:
         self.engine, self.info, self.spec, self.send = engine, info, spec, send
         self.spans = spans  # the worker's job spans while tracing is on (shared with JobDesk)
         self.heartbeat = heartbeat  # the serve loop's: sends one Heartbeat frame now
         self.arrived = arrived  # the serve loop's: handles what the link has passed on since
-        self.busy = busy  # JobDesk's: whether a turn runs, for the idle time the worker reports
+        self.counted = counted  # JobDesk's: the requests held (active, queued), for the load reported
         self.queue: list[PreparedEmbed] = []
         self._wanted: set[str] = set()  # the running turn's requests, until answered or cancelled
         self._last_beat = time.monotonic()
@@ -60,6 +62,7 @@ class EmbeddingBatch:
         if self.spans is not None:
             self.spans.start(prepared.message)
         self.queue.append(prepared)
+        self._count()
 
     def cancel(self, rid: str) -> bool:
         """The gateway gave up on the request: its inputs not run yet never are, and no answer goes
@@ -71,6 +74,7 @@ class EmbeddingBatch:
             self._wanted.discard(rid)
         else:
             return False
+        self._count()
         if self.spans is not None:
             self.spans.cancelled(rid)
         return True
@@ -79,14 +83,15 @@ class EmbeddingBatch:
         """Every Embed queued so far, through the model together; one reply each, unless cancelled."""
         turn, self.queue = self.queue, []  # what arrives meanwhile waits for the next turn
         self._last_beat = time.monotonic()  # the serve loop's own beat is at most an interval old
-        if self.busy is not None:
-            self.busy(True)
         try:
             self._run(turn)
         finally:
             self._wanted.clear()
-            if self.busy is not None:
-                self.busy(False)
+            self._count()
+
+    def _count(self) -> None:
+        if self.counted is not None:
+            self.counted(len(self._wanted), len(self.queue))
 
     def _run(self, turn: list[PreparedEmbed]) -> None:
         embed = self.engine.embed if isinstance(self.engine, Embeds) else None
@@ -107,6 +112,7 @@ class EmbeddingBatch:
             return
         assert embed is not None
         self._wanted = {rid for rid, _ in accepted}
+        self._count()
         vectors = self._embed_in_batches(embed, accepted)
         for (rid, inputs), request_vectors in zip(accepted, vectors, strict=True):
             if rid not in self._wanted:  # cancelled meanwhile

@@ -10,10 +10,12 @@ gateway's view passes through the states in the order wire.states allows, as if 
 from the start.
 
 A job belongs to the gateway that sent its Generate: its outputs, answers and aborts go to that
-gateway alone, and only that gateway may cancel it. A gateway that sends nothing (a Ping comes
-every heartbeat interval) for `timeout_s`, whose link breaks (a frame to it cannot be routed), or
-that says Shutdown is gone: its jobs are cancelled through the engine thread like any Cancel, and
-if it comes back under the same id it is told they were aborted (JobsAborted, gateway_gone).
+gateway alone, and only that gateway may cancel it. Its jobs and its embedding requests not yet
+answered are the `yours` of the heartbeats it gets (the load counts both: model_worker.jobs). A
+gateway that sends nothing (a Ping comes every heartbeat interval) for `timeout_s`, whose link
+breaks (a frame to it cannot be routed), or that says Shutdown is gone: its jobs are cancelled
+through the engine thread like any Cancel, and if it comes back under the same id it is told they
+were aborted (JobsAborted, gateway_gone).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ Routed = list[tuple[bytes, wire.Message]]
 class _Peer:
     last_seen: float
     jobs: set[str] = field(default_factory=set)
+    embeds: set[str] = field(default_factory=set)  # its Embeds not answered (nor cancelled) yet
 
 
 class GatewayPeers:
@@ -99,13 +102,15 @@ class GatewayPeers:
             known.jobs.add(message.rid)
         elif isinstance(message, wire.Cancel):
             if self._exchanges.get(message.rid) == peer:  # an embedding it no longer waits for
-                del self._exchanges[message.rid]
+                self._end_exchange(message.rid)
             elif self._owners.get(message.rid) != peer:
                 return False, replies, cancels  # not its job (or already over): nothing to cancel
             else:
                 self._forget_job(message.rid)
         elif isinstance(message, (wire.Tokenize, wire.Detokenize, wire.Embed)):
             self._exchanges[message.rid] = peer
+            if isinstance(message, wire.Embed):
+                known.embeds.add(message.rid)
         return True, replies, cancels
 
     def expire(self, now: float) -> list[str]:
@@ -152,10 +157,10 @@ class GatewayPeers:
             peer = self._owners.get(message.rid)
             if isinstance(message, wire.Rejected):
                 self._forget_job(message.rid)
-                peer = peer or self._exchanges.pop(message.rid, None)
+                peer = peer or self._end_exchange(message.rid)
             return [(peer, message)] if peer is not None else []
         if isinstance(message, (wire.Tokens, wire.Embeddings)):
-            peer = self._exchanges.pop(message.rid, None)
+            peer = self._end_exchange(message.rid)
             return [(peer, message)] if peer is not None else []
         logger.warning("no gateway to send a %s frame to", type(message).__name__)
         return []
@@ -172,9 +177,10 @@ class GatewayPeers:
         return [(peer, wire.Step(outputs)) for peer, outputs in by_peer.items()]
 
     def _for(self, peer: bytes, message: wire.Message) -> wire.Message:
-        """A heartbeat's load says which jobs are this gateway's own."""
+        """A heartbeat's load says which jobs and embedding requests are this gateway's own."""
         if isinstance(message, wire.Heartbeat) and message.load is not None:
-            mine = len(self._peers[peer].jobs)
+            known = self._peers[peer]
+            mine = len(known.jobs) + len(known.embeds)
             return msgspec.structs.replace(message, load=msgspec.structs.replace(message.load, yours=mine))
         return message
 
@@ -198,6 +204,12 @@ class GatewayPeers:
     def _introduce(self, peer: bytes) -> Routed:
         frames = [*self._story, *([self._heartbeat] if self._heartbeat is not None else [])]
         return [(peer, self._for(peer, m)) for m in frames]
+
+    def _end_exchange(self, rid: str) -> bytes | None:
+        peer = self._exchanges.pop(rid, None)
+        if peer is not None and (known := self._peers.get(peer)) is not None:
+            known.embeds.discard(rid)
+        return peer
 
     def _forget_job(self, rid: str) -> bytes | None:
         peer = self._owners.pop(rid, None)

@@ -12,7 +12,10 @@ It also owns the worker's own capacity (`spec.max_jobs`, `spec.max_queue`; 0: no
 worker whose gateway admits). Several gateways may send to one worker, each knowing the others'
 load only from heartbeats, so the worker is the one that holds the line: at most max_jobs jobs run,
 at most max_queue more wait here (answered Accepted once they start), and past that a Generate is
-refused with `worker_full`, which a gateway takes to another replica or answers 429/503.
+refused with `worker_full`, which a gateway takes to another replica or answers 429/503. Embedding
+requests (model_worker.embedding_batch) are counted in the load it reports, told to it as they come
+and go, but never refused here: a turn batches every one of them, and the gateways bound them with
+their slots, reading that load.
 """
 
 from __future__ import annotations
@@ -62,7 +65,8 @@ class JobDesk:
         # Prompt logprobs computed at submit, sent with the job's first output.
         self._prompt_logprobs: dict[str, list[TokenLogprob]] = {}
         self._idle_since = time.monotonic()  # when it last held a job or embedded (or started)
-        self._embedding = False  # an embedding turn runs (model_worker.embedding_batch)
+        # Embedding requests in the running turn, and waiting for the next (model_worker.embedding_batch).
+        self._embeds_active = self._embeds_queued = 0
         # Engines that enforce constraints with lm-format-enforcer (they build its tokenizer data in
         # prepare_constraints) get their parsers compiled ahead; exllamav3 compiles its own
         # (llguidance, lazily, in Rust) when the job is submitted.
@@ -82,27 +86,29 @@ class JobDesk:
 
     @property
     def held(self) -> int:
-        """Jobs held against the cap: running, compiling their constraint, or queued."""
-        return len(self.live) + len(self._parked) + len(self._queued)
+        """Requests held: jobs running, compiling their constraint or queued, and embedding requests
+        (a change is reported at once to gateways that share the worker: model_worker.serve_loop)."""
+        jobs = len(self.live) + len(self._parked) + len(self._queued)
+        return jobs + self._embeds_active + self._embeds_queued
 
-    def load(self) -> WorkerLoad:
-        """What the heartbeat reports: jobs held against the cap (`yours` is the link's to fill in),
-        and how long it has held none and embedded nothing (measured at heartbeats: within an
-        interval, or at the end of an embedding turn)."""
-        active = len(self.live) + len(self._parked)
-        queued = len(self._queued)
+    def load(self, embeds_arriving: int = 0) -> WorkerLoad:
+        """What the heartbeat reports: the requests held (`yours` is the link's to fill in, when
+        several gateways share the worker), `embeds_arriving` (Embeds the link has read and the engine
+        thread not taken yet) among the queued, and how long it has held none (measured at
+        heartbeats: within an interval, or when embedding requests last came or went)."""
+        active = len(self.live) + len(self._parked) + self._embeds_active
+        queued = len(self._queued) + self._embeds_queued + embeds_arriving
         now = time.monotonic()
-        busy = active or queued or self._embedding
+        busy = active or queued
         if busy:
             self._idle_since = now
         idle_s = round(now - self._idle_since, 3) if not busy else 0.0
         return WorkerLoad(active, queued, self.spec.max_jobs, self.spec.max_queue, active + queued, idle_s)
 
-    def embedding(self, running: bool) -> None:
-        """An embedding turn starts or ends: embedding requests hold no job here, but a worker busy
-        with them is not idle (the leading gateway would unload it), and its idle time counts from
-        the end of the last turn."""
-        self._embedding = running
+    def count_embeds(self, active: int, queued: int) -> None:
+        """The embedding requests held changed (one came, was cancelled, or a turn started or ended):
+        counted here when it happens, not looked up at every step; the idle time counts from then."""
+        self._embeds_active, self._embeds_queued = active, queued
         self._idle_since = time.monotonic()
 
     def _full(self) -> bool:

@@ -80,6 +80,10 @@ class LinkThread:
         # thread counts): each count has one writer, so their difference needs no lock.
         self._generates_read = 0
         self._generates_prepared = 0
+        # Embeds read from the socket (this thread counts) and taken by the engine thread (it counts,
+        # in took_embed): the difference is part of the load the worker reports, as queued.
+        self._embeds_read = 0
+        self._embeds_taken = 0
         self._outbound: queue.Queue[wire.Message] = queue.Queue(MAX_OUTBOUND)
         self._replies: collections.deque[wire.Message] = collections.deque()  # the prompt thread's
         # When each message in _outbound was handed over, in order; and, with a step trace on
@@ -190,6 +194,16 @@ class LinkThread:
     def preparing(self) -> int:
         """Generates that have arrived and are not handed over yet (their prompts being prepared)."""
         return self._generates_read - self._generates_prepared
+
+    @property
+    def embeds_arriving(self) -> int:
+        """Embeds that have arrived and that the engine thread has not taken yet (their inputs being
+        tokenized, most of the time)."""
+        return self._embeds_read - self._embeds_taken
+
+    def took_embed(self) -> None:
+        """The engine thread took a prepared Embed from take(): it counts it from now on."""
+        self._embeds_taken += 1
 
     @property
     def gateways(self) -> int:
@@ -317,6 +331,8 @@ class LinkThread:
             if type(message) in self._handlers or type(message) in self._forward:
                 if type(message) is wire.Generate:
                     self._generates_read += 1
+                elif type(message) is wire.Embed:
+                    self._embeds_read += 1
                 self._to_prepare.put(message)
             else:
                 logger.warning("dropped an unexpected %s frame", type(message).__name__)

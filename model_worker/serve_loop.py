@@ -233,7 +233,8 @@ class Worker:
         chat_template = ChatTemplate.for_model(spec.path, spec.chat_template)
         self.jobs = JobDesk(engine, spec, self._send)
         self.embeddings = EmbeddingBatch(engine, self.info, spec, self._send, self.jobs.spans, self._beat,
-                                         arrived=self._handle_arrived, busy=self.jobs.embedding)  # fmt: skip
+                                         arrived=self._handle_arrived,
+                                         counted=self.jobs.count_embeds)  # fmt: skip
         load_s = time.monotonic() - started
         logger.info("model loaded in %.1fs", load_s)
         self.move_to(WorkerState.WARMING, "warm-up generation")
@@ -291,7 +292,7 @@ class Worker:
         self, engine: Engine, jobs: JobDesk, embeddings: EmbeddingBatch, trace: StepTrace | None
     ) -> None:
         last_heartbeat = last_report = 0.0
-        reported_held = 0  # the jobs held, as the last heartbeat told the gateways
+        reported_held = 0  # the requests held, as the last heartbeat told the gateways
         interval_s = self.spec.heartbeat_interval_s
         link, handlers = self.link, self._handlers
         window_s, gather_s = self.spec.admission_window_s, self.spec.burst_gather_s
@@ -315,6 +316,12 @@ class Worker:
                     self._gather_burst(window_s)
                 self._following = 0
             if embeddings.queue:
+                # A turn may take minutes, with a heartbeat only every interval: the gateways that
+                # share this worker hear of its work before it starts, not an interval later.
+                now, held = time.monotonic(), jobs.held
+                if link.gateways > 1 and held != reported_held and now >= last_report + LOAD_REPORT_GAP_S:
+                    last_report, reported_held = now, held
+                    self._beat()
                 embeddings.run()
             if jobs.waiting:
                 jobs.settle()
@@ -440,6 +447,7 @@ class Worker:
         self.jobs.generate(prepared)
 
     def _on_embed(self, prepared: PreparedEmbed) -> None:
+        self.link.took_embed()  # counted as the batch's (or answered) from here on, not the link's
         if self.embeddings is None:  # a standby worker
             self._send(wire.Rejected(prepared.message.rid, RejectCode.SHUTTING_DOWN, NOT_LOADED, None))
             return
@@ -480,4 +488,5 @@ class Worker:
     def _beat(self) -> None:
         """A Heartbeat now: the worker's state, its engine's counters and its load."""
         assert self.engine is not None and self.jobs is not None
-        self._send(wire.Heartbeat(self.state, self.engine.stats(), self.jobs.load()))
+        load = self.jobs.load(self.link.embeds_arriving)
+        self._send(wire.Heartbeat(self.state, self.engine.stats(), load))

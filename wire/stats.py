@@ -67,13 +67,16 @@ class EngineStats(Struct, frozen=True):
 
 
 class WorkerLoad(Struct, frozen=True):
-    """The jobs a worker holds against the cap it enforces itself (model_worker.jobs), in every
-    heartbeat. `active`: admitted and running (or compiling their constraint); `queued`: admitted,
-    waiting for a running slot. `max_jobs` 0: no cap of its own (a worker its gateway spawned, whose
-    admission is the gateway's). `yours`: how many of active + queued belong to the gateway the
-    heartbeat is sent to, so each gateway knows what the others put on the worker. `idle_s`: how
-    long it has held no job of any gateway (0 while it holds one), which the leading gateway
-    unloads an idle model by (cluster mode, `idle_unload_s`)."""
+    """The requests a worker holds (model_worker.jobs), in every heartbeat. `active`: generation jobs
+    admitted and running (or compiling their constraint), and embedding requests in the turn the
+    engine runs; `queued`: generation jobs admitted and waiting for a running slot, and embedding
+    requests waiting for the next turn or having their inputs tokenized. `max_jobs` and `max_queue`:
+    the cap the worker enforces itself on generation jobs; 0: none of its own (a worker its gateway
+    spawned, whose admission is the gateway's). Embedding requests are never refused by it (a turn
+    batches them all); gateways bound them with their slots, reading this load. `yours`: how many of
+    active + queued belong to the gateway the heartbeat is sent to, so each gateway knows what the
+    others put on the worker. `idle_s`: how long it has held no request of any gateway (0 while it
+    holds one), which the leading gateway unloads an idle model by (cluster mode, `idle_unload_s`)."""
 
     active: Count = 0
     queued: Count = 0

@@ -34,14 +34,14 @@ class WorkerHandle:
     detail: str = ""
     progress: float | None = None
     pid: int | None = None
-    restarts: int = 0
+    restarts: int = 0  # of this model replica since the gateway started: a reload's new worker carries it on
     consecutive_failures: int = 0
     last_error: str | None = None  # what last went wrong; kept after a restart, for operators
     death_cause: str | None = None  # why the current process is being killed or failed (Fatal, watchdogs)
     info: EngineInfo | None = None
     ready_message: wire.Ready | None = None
     stats: EngineStats = field(default_factory=EngineStats)
-    load: WorkerLoad | None = None  # the jobs it holds against its own cap, as of its last heartbeat
+    load: WorkerLoad | None = None  # the requests it holds (embeddings too), as of its last heartbeat
     spawned_at: float = 0.0
     ready_at: float | None = None
     in_flight: int = 0
@@ -69,7 +69,8 @@ class WorkerHandle:
 
     @property
     def others_jobs(self) -> int:
-        """Jobs other gateways hold on this worker, as of its last heartbeat (0 for our own workers)."""
+        """Requests other gateways hold on this worker (generation jobs and embedding requests, each
+        taking one of their slots as ours do), as of its last report (0 for our own workers)."""
         return self.load.others if self.load is not None else 0
 
     def slot_limit(self, configured: int) -> int:
@@ -94,7 +95,9 @@ class WorkerHandle:
         if self.state is not state:
             fields = self._log_fields()
             old = self.state.value
-            logger.info("worker %s: %s -> %s %s", self.id, old, state.value, detail, extra=fields)
+            # No separator before an empty detail: the text format's context would follow two spaces.
+            shown = f" {detail}" if detail else ""
+            logger.info("worker %s: %s -> %s%s", self.id, old, state.value, shown, extra=fields)
             self.state_since = time.monotonic()
         self.state, self.detail = state, detail
         return True

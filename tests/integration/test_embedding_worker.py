@@ -1,9 +1,11 @@
 """An embedding worker drops a request the gateway cancelled between engine batches, and reports
-itself busy, not idle, while it embeds.
+itself busy, not idle, while it embeds: its requests count in the load it reports (active while
+their turn runs, queued while they wait behind it or their inputs are tokenized).
 
 Runs in the pytest process, playing the gateway over a real socket in front of one real worker
 process with the transformers demo embedding model. The worker's heartbeats say how many inputs
-its engine has embedded so far (`stats.jobs_finished`) and how long it has been idle (`load.idle_s`).
+its engine has embedded so far (`stats.jobs_finished`), the requests it holds (`load.active`,
+`load.queued`) and how long it has been idle (`load.idle_s`).
 """
 
 from __future__ import annotations
@@ -128,3 +130,55 @@ def test_a_worker_busy_embedding_is_not_idle(gateway: FakeGateway) -> None:
     assert set(during) == {0.0}, during
     after = gateway.heartbeat().load.idle_s  # type: ignore[union-attr]
     assert after < idle_before, (idle_before, after)
+
+
+def held(beat: wire.Heartbeat) -> tuple[int, int]:
+    load = beat.load
+    assert load is not None
+    assert load.yours == load.active + load.queued  # one gateway: every request held is its own
+    return load.active, load.queued
+
+
+def test_embedding_requests_count_in_the_load_while_they_run_and_wait(gateway: FakeGateway) -> None:
+    """A router reading this worker's load must see it busy: the request whose turn runs is active,
+    one sent meanwhile waits behind that turn (queued), and both are gone once answered."""
+    while held(gateway.heartbeat()) != (0, 0):
+        pass
+    before = embedded(gateway.heartbeat())
+    count = 400  # a hundred engine batches
+    gateway.send(wire.Embed("long", None, [INPUT] * count))
+    while not before < embedded(beat := gateway.heartbeat()) < before + count:
+        pass
+    assert held(beat) == (1, 0)
+    gateway.send(wire.Embed("behind", ["waits for the next turn"], None))
+    while (figures := held(beat := gateway.heartbeat())) == (1, 0):
+        assert embedded(beat) < before + count, "the turn ended before the second request was counted"
+    assert figures == (1, 1) and embedded(beat) < before + count, figures
+    answers: list[str] = []
+    while len(answers) < 2:
+        _, answer = gateway.next(wire.Embeddings, wire.Rejected)
+        assert isinstance(answer, wire.Embeddings), answer
+        answers.append(answer.rid)
+    assert answers == ["long", "behind"]
+    assert held(gateway.heartbeat()) == (0, 0)  # sent after both answers: frames arrive in order
+
+
+def test_an_embedding_whose_inputs_are_being_tokenized_counts_as_queued(gateway: FakeGateway) -> None:
+    """Tokenizing a large request takes the prompt thread a while (about a second here) before the
+    engine thread sees it: the worker is not idle meanwhile, the request waits (queued)."""
+    while held(gateway.heartbeat()) != (0, 0):
+        pass
+    before = embedded(gateway.heartbeat())
+    texts = ["the weather today is " * 60] * 2048  # about 420 tokens each, under max_seq_len 512
+    gateway.send(wire.Embed("slow", texts, None))
+    while True:
+        beat = gateway.heartbeat()
+        assert beat.load is not None and embedded(beat) == before, "it ran before a beat saw it waiting"
+        if held(beat) != (0, 0):
+            break
+    assert held(beat) == (0, 1) and beat.load.idle_s == 0.0, beat.load
+    gateway.send(wire.Cancel("slow"))  # after its Embed, in order: never answered
+    gateway.send(wire.Embed("probe", ["after the cancel"], None))
+    _, answer = gateway.next(wire.Embeddings, wire.Rejected)
+    assert isinstance(answer, wire.Embeddings) and answer.rid == "probe", answer
+    assert held(gateway.heartbeat()) == (0, 0)

@@ -1,8 +1,9 @@
 """The worker batches embeddings: every Embed taken in one turn goes through the model in one call,
 and padding in a batch does not change any vector; a turn longer than one engine batch beats the
-heartbeat between batches, takes cancels between them, and counts as work for the worker's idle
-time. The inputs come prepared as the prompt thread prepares them (model_worker.prompt_desk).
-Real embedding engine; the frames the worker would send are collected."""
+heartbeat between batches, takes cancels between them, and counts in the load the worker reports
+(active while its turn runs, queued before) and as work for its idle time. The inputs come
+prepared as the prompt thread prepares them (model_worker.prompt_desk). Real embedding engine; the
+frames the worker would send are collected."""
 
 from __future__ import annotations
 
@@ -170,23 +171,30 @@ def test_a_cancel_before_its_turn_runs_nothing(
     assert events == [] and sent == []
 
 
-def test_an_embedding_turn_is_work_for_the_idle_time_the_worker_reports(
+def test_an_embedding_turn_is_load_and_work_for_the_idle_time_the_worker_reports(
     engine_and_spec: tuple[Any, WorkerSpec],
 ) -> None:
-    """An embedding worker holds no generation job: its idle time must still stop while it embeds
-    (the leading gateway unloads a model idle for `idle_unload_s`), and count from its last turn."""
+    """An embedding worker holds no generation job: its request must still count in its load (the
+    gateways route by it), queued until its turn and active while it runs, and its idle time must
+    stop while it embeds (the leading gateway unloads a model idle for `idle_unload_s`), and count
+    from its last turn."""
     engine, spec = engine_and_spec
     spec = dataclasses.replace(spec, heartbeat_interval_s=0.0)  # a heartbeat after every engine batch
     jobs = JobDesk(engine, spec, lambda message: None)
     beats: list[WorkerLoad] = []
     batcher = EmbeddingBatch(engine, engine.info(), spec, lambda message: None,
-                             heartbeat=lambda: beats.append(jobs.load()), busy=jobs.embedding)  # fmt: skip
+                             heartbeat=lambda: beats.append(jobs.load()),
+                             counted=jobs.count_embeds)  # fmt: skip
     texts = [f"input number {i} " * 20 for i in range(12)]  # three engine batches
+    assert jobs.load(embeds_arriving=1).queued == 1  # its inputs being tokenized
     batcher.add(desk_for(engine, spec).prepare_embed(wire.Embed("r", texts, None)))
+    assert (jobs.load().active, jobs.load().queued, jobs.load().yours, jobs.held) == (0, 1, 1, 1)
     started = time.monotonic()
     batcher.run()
     ended = time.monotonic()
     # The premise: a worker that counted only generation jobs would report the whole turn as idle.
     assert ended - started > 0.01, "make the turn longer"
-    assert len(beats) == 3 and all(load.idle_s == 0.0 and load.active == 0 for load in beats), beats
+    assert len(beats) == 3, beats
+    assert all((load.active, load.queued, load.yours, load.idle_s) == (1, 0, 1, 0.0) for load in beats), beats
+    assert (jobs.load().active, jobs.load().queued, jobs.held) == (0, 0, 0)
     assert jobs.load().idle_s <= time.monotonic() - ended + 0.001  # counted from the turn's end

@@ -114,3 +114,22 @@ def test_an_embedding_is_cancelled_by_the_gateway_that_sent_it_or_when_that_gate
     assert not peers.on_frame(A, wire.Cancel("ea"), now=0.0)[0]  # once: it is no longer A's
     peers.on_frame(B, wire.Ping(), now=1.5)
     assert peers.expire(now=2.5) == ["ea2"]
+
+
+def test_a_gateways_embeddings_not_yet_answered_are_its_own_in_the_heartbeats_it_gets() -> None:
+    """The worker counts embedding requests in its load; each gateway must find its own among them
+    (`yours`), or it would take them for another gateway's and route its next requests around them."""
+    peers = _ready_peers()
+    for peer, message in ((A, _embed("ea")), (A, _embed("ea2")), (A, _generate("a1")), (B, _embed("eb"))):
+        assert peers.on_frame(peer, message, now=0.0)[0]
+    peers.on_frame(A, wire.Tokenize("t", "x", None, True), now=0.0)  # no load: not counted
+
+    def yours() -> dict[bytes, int]:
+        beat = wire.Heartbeat(WorkerState.READY, EngineStats(), WorkerLoad(active=2, queued=2, max_jobs=4))
+        return {peer: m.load.yours for peer, m in peers.route(beat)}  # type: ignore[attr-defined]
+
+    assert yours() == {A: 3, B: 1}
+    peers.route(wire.Embeddings("ea", [[0.5]], 2))
+    peers.on_frame(A, wire.Cancel("ea2"), now=0.0)
+    peers.route(wire.Rejected("eb", RejectCode.INVALID_TOKENS, "no", "input"))
+    assert yours() == {A: 1, B: 0}
