@@ -154,6 +154,14 @@ def free_port() -> int:
             return port
 
 
+def make_keys(folder: Path, *names: str) -> None:
+    """Curve key pairs for a cluster test, one per name, made by the gateway's own `keys` command."""
+    cmd = [sys.executable, "-m", "gateway", "keys", str(folder)]
+    for name in names:
+        cmd += ["--name", name]
+    subprocess.run(cmd, check=True, cwd=REPO_ROOT, capture_output=True)
+
+
 class GatewayProcess:
     def __init__(
         self,

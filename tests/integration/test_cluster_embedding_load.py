@@ -22,7 +22,7 @@ import httpx
 import pytest
 
 from gateway.demo.embedding_model import make_demo_embedding_model
-from tests.harness import REPO_ROOT, GatewayProcess, wait_until
+from tests.harness import REPO_ROOT, GatewayProcess, make_keys, wait_until
 from tests.integration.conftest import demo_entry, write_registry
 
 WORKER_PORTS = (8140, 8141)
@@ -35,11 +35,7 @@ class EmbeddingCluster:
     def __init__(self, root: Path, model_dir: Path) -> None:
         self.root = root
         self.keys = root / "keys"
-        subprocess.run(
-            [sys.executable, "-m", "gateway", "keys", str(self.keys),
-             "--name", "gateway", "--name", "worker"],
-            check=True, cwd=REPO_ROOT, capture_output=True,
-        )  # fmt: skip
+        make_keys(self.keys, "gateway", "worker")
         limits = {"max_concurrent_jobs": 4, "worker_queued_jobs": 0, "request_timeout_s": 120}
         workers = [
             {"worker_id": worker_id, "model": "e", "endpoint": f"tcp://127.0.0.1:{port}", "replica": replica,

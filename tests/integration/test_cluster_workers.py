@@ -29,7 +29,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.harness import REPO_ROOT, GatewayProcess, free_port, wait_until
+from tests.harness import REPO_ROOT, GatewayProcess, free_port, make_keys, wait_until
 from tests.integration.conftest import demo_entry, write_registry
 
 WORKER_ID = "shared@w1"
@@ -43,11 +43,7 @@ class Cluster:
     ) -> None:
         self.root = root
         self.keys = root / "keys"
-        subprocess.run(
-            [sys.executable, "-m", "gateway", "keys", str(self.keys),
-             "--name", "gateway", "--name", "worker"],
-            check=True, cwd=REPO_ROOT, capture_output=True,
-        )  # fmt: skip
+        make_keys(self.keys, "gateway", "worker")
         self.port = free_port()
         limits = {
             "max_concurrent_jobs": MAX_JOBS,
