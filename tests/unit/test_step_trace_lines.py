@@ -139,7 +139,8 @@ def test_each_line_says_what_cpu_the_step_used_and_what_it_waited(tmp_path: Path
     computed, waited, touched = (json.loads(line) for line in path.read_text().splitlines())
     assert computed["cpu_ms"] >= 29.0 and computed["cpu_ms"] <= computed["step_ms"] + 1.0
     assert waited["step_ms"] >= 29.0 and waited["cpu_ms"] < 5.0 and waited["sleeps"] >= 1
-    assert touched["faults"] >= 1000
+    # At least one fault per huge page (2 MiB) where the host backs memory with them; 16,384 with 4 KiB pages.
+    assert touched["faults"] >= 32
     assert all(line["preempted"] >= 0 and line["sys_ms"] >= 0 for line in (computed, waited, touched))
     summary = summarize(str(path))["all"]
-    assert summary["cpu_ms_p50"] is not None and summary["faults_per_step"] >= 1000 / 3
+    assert summary["cpu_ms_p50"] is not None and summary["faults_per_step"] >= 32 / 3
