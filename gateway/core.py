@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gateway.config.models import ModelConfig
 from gateway.config.registry import Registry
 from gateway.errors import ServiceUnavailable
 from gateway.link.handle import WorkerHandle
@@ -23,6 +24,7 @@ from gateway.observability.logging_setup import LoadProgressLog
 from gateway.serving.router import Router
 from gateway.serving.service import GenerationService
 from gateway.workers.supervisor import Supervisor
+from gateway.workers.worker_settings import reload_changes
 from wire.states import WorkerState
 
 logger = logging.getLogger(__name__)
@@ -67,21 +69,16 @@ class Gateway:
         return gateway
 
     def plan(self, new: Registry) -> dict[str, list[str]]:
-        """What applying `new` would do: model names added, removed, changed and unchanged."""
-        old = {m.name: m for m in self.registry.models}
-        wanted = {m.name: m for m in new.models}
-        changes: dict[str, list[str]] = {
-            "added": sorted(wanted.keys() - old.keys()),
-            "removed": sorted(old.keys() - wanted.keys()),
-            "changed": sorted(n for n in old.keys() & wanted.keys() if old[n] != wanted[n]),
-        }
-        changes["unchanged"] = sorted(old.keys() & wanted.keys() - set(changes["changed"]))
-        return changes
+        """What applying `new` would do: model names added, removed, changed (workers restarted),
+        retuned (applied in place) and unchanged (gateway.workers.worker_settings draws the line)."""
+        cluster_mode = self.registry.server.cluster is not None
+        return reload_changes(self.registry.models, new.models, cluster_mode)
 
     async def apply_registry(self, new: Registry) -> dict[str, Any]:
         """Move the running set to `new`: start added models, drain and stop removed ones,
-        restart changed ones, leave unchanged ones untouched (their requests never notice). In
-        cluster mode a changed remote model keeps its listening workers (they are not this
+        restart changed ones, give retuned ones their new entry in place (their workers keep
+        running and no request ends), leave unchanged ones untouched (their requests never notice).
+        In cluster mode a changed remote model keeps its listening workers (they are not this
         gateway's to restart; gateway.reloads asks the leader to).
 
         Requests waiting for a removed model end at once; requests running on a removed or changed
@@ -109,6 +106,8 @@ class Gateway:
         self.supervisor.registry = self.registry
         for name in changes["removed"]:
             self.router.drop_route(name)
+        for name in changes["retuned"]:
+            self._retune(wanted[name])
         fresh = []
         for name, handles in listening.items():
             for handle in handles:
@@ -138,6 +137,17 @@ class Gateway:
         applied = {k: v for k, v in changes.items() if k != "unchanged"}
         logger.info("registry applied: %s; %d request(s) ended", applied, ended)
         return {**changes, "requests_ended": ended}
+
+    def _retune(self, config: ModelConfig) -> None:
+        """A model whose workers read nothing that changed: its workers keep running, and what the
+        gateway reads takes the new entry at once. The route (the same object, so requests in flight
+        and in its queue keep their place) reads its limits, defaults, parsers and fallbacks from
+        `config` at each use, and its names are indexed anew (a removed alias is unknown from now
+        on); the handles carry it for the watchdog (wedge_timeout_s) and idle unloads."""
+        for handle in self.supervisor.workers.values():
+            if handle.model.name == config.name:
+                handle.model = config
+        self.router.set_route(config, self.router.routes[config.name].replicas)
 
     async def unload(self, name: str, why: str | None = None) -> int:
         """Drain and stop a model's workers (requests in flight may finish within the grace);

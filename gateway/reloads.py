@@ -3,12 +3,13 @@
 Runs in the gateway process, on its asyncio loop. Owns the one reload that may run at a time, its
 background task, and the last few reloads' records. `POST /admin/reload` and SIGHUP start one:
 the new file is read and validated first, with the host checks of `gateway check-config` (model
-folders, GPUs) for the local models it adds or changes; a file that fails them changes nothing and
-is refused at once, and so is any reload once the SIGTERM drain has begun. Then
-`Gateway.apply_registry` runs in the background while `GET /admin/reload/{id}`
-shows its progress: the changes, how many requests it ended, and the state of every model it
-starts. A reload is `applying` while old workers drain, then `applied` (every new worker
-launched); `models_ready` says when every model it started is serving.
+folders, GPUs) for the local models whose workers it starts (added or changed); a file that fails
+them changes nothing and is refused at once, and so is any reload once the SIGTERM drain has begun.
+Then `Gateway.apply_registry` runs in the background while `GET /admin/reload/{id}`
+shows its progress: the changes (gateway.workers.worker_settings says which kind each model's is:
+a `retuned` model keeps its workers and ends no request), how many requests it ended, and the
+state of every model it starts. A reload is `applying` while old workers drain, then `applied`
+(every new worker launched); `models_ready` says when every model it started is serving.
 
 In cluster mode the workers are services of their own: a reload changes this gateway's routes, and
 where it changes what a remote model's workers read, it asks the cluster's leader to restart them
@@ -32,11 +33,11 @@ from gateway.core import Gateway
 from gateway.errors import Conflict, ServiceUnavailable
 from gateway.heap import refreeze_after_reload
 from gateway.workers.reload_plan import worker_changes
+from gateway.workers.worker_settings import CHANGE_KINDS
 from wire.states import WorkerState
 
 logger = logging.getLogger(__name__)
 KEPT_RECORDS = 10
-CHANGE_KINDS = ("added", "removed", "changed", "unchanged")
 
 
 @dataclass(eq=False)
@@ -139,9 +140,9 @@ class Reloads:
     def _check_host(self, new: Registry, changes: dict[str, list[str]]) -> None:
         """ConfigError unless the local models the reload starts (added or changed) can start on
         this host: the checks of `gateway check-config`, so that a file it rejects is never applied
-        (its workers would fail at once, after the working ones were retired). Unchanged models keep
-        their running workers and are not checked again; the server section only applies after a
-        restart, so the running one stands in for it."""
+        (its workers would fail at once, after the working ones were retired). Retuned and unchanged
+        models keep their running workers and are not checked again; the server section only
+        applies after a restart, so the running one stands in for it."""
         starting = set(changes["added"] + changes["changed"])
         models = [m for m in new.models if m.name in starting and not m.remote]
         if not models:

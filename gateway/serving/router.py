@@ -295,7 +295,9 @@ class Router:
                 self._by_name[name] = route
 
     def set_route(self, config: ModelConfig, replicas: list[WorkerHandle]) -> ModelRoute:
-        """Add a model, or give an existing one a new config and replicas (its queue is kept)."""
+        """Add a model, or give an existing one a new config and replicas. An existing route stays
+        the same object, with its queue and the slots its requests hold; it reads its config at each
+        use, so new limits apply from the next admission, and its waiters look again at once."""
         route = self.routes.get(config.name)
         if route is None:
             route = self.routes[config.name] = ModelRoute(config, replicas, self._launch)

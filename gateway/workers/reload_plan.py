@@ -4,8 +4,9 @@ Runs in the gateway process (called by gateway.workers.cluster_reloads, on every
 reload is asked for, and on the leader every round); pure: no I/O, no clock. Owns:
 
 - which models a reload changes for their workers (`worker_changes`): remote models whose
-  settings as a worker reads them (engine, path, context, engine settings, template, capacity)
-  differ; what only gateways read (queues, timeouts, aliases) needs no worker restarted;
+  settings as a worker reads them (gateway.workers.worker_settings: engine, path, context, engine
+  settings, template, capacity) differ; what only gateways read (queues, timeouts, aliases) needs
+  no worker restarted;
 - the name of such a change (`fingerprint`), so two gateways asking for it ask once;
 - the steps (`next_steps`): each loaded worker recorded in the request is restarted in place,
   one replica of a model at a time, the next only once the last is ready again: Unload (claimed
@@ -25,26 +26,16 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
-from typing import Any
+from dataclasses import dataclass
 
 from gateway.cluster.reload_request import ReloadRequest
 from gateway.config.models import ModelConfig
-from gateway.config.registry import worker_spec
 from gateway.workers.cluster_plan import Action, WorkerView
+from gateway.workers.worker_settings import worker_settings
 from wire.states import WorkerState
 
 S = WorkerState
 GONE = frozenset({S.LOST, S.STOPPED, S.FAILED})
-
-
-def worker_settings(model: ModelConfig) -> dict[str, Any]:
-    """What a listening worker reads from the model's entry (model_worker.remote_spec)."""
-    settings = asdict(worker_spec(model, 0.0))
-    del settings["heartbeat_interval_s"], settings["heartbeat_timeout_s"]  # the server section's
-    settings["max_jobs"] = model.limits.max_concurrent_jobs
-    settings["max_queue"] = model.limits.worker_queued_jobs
-    return settings
 
 
 def worker_changes(old: list[ModelConfig], new: list[ModelConfig]) -> dict[str, ModelConfig]:

@@ -381,7 +381,7 @@ def test_dashboard_acts_and_shows_error_rates(gateway: GatewayProcess, browser: 
     wait.until(lambda d: d.switch_to.alert).accept()
     wait.until(
         lambda d: re.search(
-            r"reload \d+ applying: added 0, changed 0, removed 0", cell_texts(d, "#action")[0]
+            r"reload \d+ applying: added 0, changed 0, retuned 0, removed 0", cell_texts(d, "#action")[0]
         )
     )
     problems = [e["message"] for e in browser.get_log("browser") if "Uncaught" in e["message"]]
