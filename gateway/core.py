@@ -71,8 +71,7 @@ class Gateway:
     def plan(self, new: Registry) -> dict[str, list[str]]:
         """What applying `new` would do: model names added, removed, changed (workers restarted),
         retuned (applied in place) and unchanged (gateway.workers.worker_settings draws the line)."""
-        cluster_mode = self.registry.server.cluster is not None
-        return reload_changes(self.registry.models, new.models, cluster_mode)
+        return reload_changes(self.registry.models, new.models)
 
     async def apply_registry(self, new: Registry) -> dict[str, Any]:
         """Move the running set to `new`: start added models, drain and stop removed ones,

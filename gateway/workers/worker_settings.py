@@ -61,21 +61,15 @@ def restarts_workers(old: ModelConfig, new: ModelConfig) -> bool:
     return read(old) != read(new)
 
 
-def reload_changes(
-    old: list[ModelConfig], new: list[ModelConfig], cluster_mode: bool = False
-) -> dict[str, list[str]]:
-    """Each model name under its kind of change (CHANGE_KINDS), sorted. In cluster mode a remote
-    model that differs at all is `changed`, as before: its listening workers keep serving either
-    way (they are not this gateway's to restart), and the leader restarts them where their
-    worker_settings differ (gateway.reloads asks it). A model this gateway spawns is judged alike
-    in both modes."""
+def reload_changes(old: list[ModelConfig], new: list[ModelConfig]) -> dict[str, list[str]]:
+    """Each model name under its kind of change (CHANGE_KINDS), sorted. In cluster mode (every model
+    remote) a changed model's listening workers keep serving too: they are not this gateway's to
+    restart, and gateway.reloads asks the leader to restart them."""
     before = {m.name: m for m in old}
     after = {m.name: m for m in new}
     both = before.keys() & after.keys()
     differ = {n for n in both if before[n] != after[n]}
-    changed = {
-        n for n in differ if (cluster_mode and after[n].remote) or restarts_workers(before[n], after[n])
-    }
+    changed = {n for n in differ if restarts_workers(before[n], after[n])}
     return {
         "added": sorted(after.keys() - before.keys()),
         "removed": sorted(before.keys() - after.keys()),

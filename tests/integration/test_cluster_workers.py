@@ -216,7 +216,7 @@ def test_a_reload_that_changes_what_the_worker_reads_is_refused_without_a_leader
         registry["models"][0]["limits"]["max_queued_requests"] = 8  # the gateways' own: applied
         cluster.config.write_text(yaml.safe_dump(registry))
         reply = httpx.post(first.url + "/admin/reload", params={"wait": 30}, timeout=60)
-        assert reply.status_code == 200 and reply.json()["changed"] == ["shared"], reply.text
+        assert reply.status_code == 200 and reply.json()["retuned"] == ["shared"], reply.text
         assert reply.json()["workers_reload"] is None
         row = _shared(first)  # the listening worker stays, serving
         assert row is not None and row["state"] == "ready", row

@@ -60,8 +60,8 @@ def _model(**fields: Any) -> ModelConfig:
     return ModelConfig.model_validate({**BASE, **fields})
 
 
-def _kind(old: ModelConfig, new: ModelConfig, cluster_mode: bool = False) -> str:
-    changes = reload_changes([old], [new], cluster_mode)
+def _kind(old: ModelConfig, new: ModelConfig) -> str:
+    changes = reload_changes([old], [new])
     kinds = [kind for kind, names in changes.items() if old.name in names]
     assert len(kinds) == 1, changes
     return kinds[0]
@@ -95,15 +95,12 @@ def test_the_same_gpus_spelled_per_replica_are_no_change_for_the_workers() -> No
     assert _kind(_model(gpus=[0]), _model(replica_gpus=[[0]])) == "retuned"
 
 
-def test_in_cluster_mode_a_model_that_differs_is_changed_as_before() -> None:
-    # Its listening workers keep serving either way; the leader restarts them where they read it.
+def test_a_remote_model_is_changed_only_where_its_listening_workers_read_it() -> None:
+    # Its capacity is the worker's own to enforce (several gateways share it), so it is read there.
     remote = _model(remote=True)
-    assert _kind(remote, _model(remote=True, aliases=["a"]), cluster_mode=True) == "changed"
-
-
-def test_in_cluster_mode_a_spawned_model_is_retuned_in_place_too() -> None:
-    assert _kind(_model(), _model(aliases=["a"]), cluster_mode=True) == "retuned"
-    assert _kind(_model(), _model(max_seq_len=1024), cluster_mode=True) == "changed"
+    assert _kind(remote, _model(remote=True, aliases=["a"])) == "retuned"
+    assert _kind(remote, _model(remote=True, max_seq_len=1024)) == "changed"
+    assert _kind(remote, _model(remote=True, limits={"max_concurrent_jobs": 3})) == "changed"
 
 
 def test_models_are_sorted_under_every_kind() -> None:
