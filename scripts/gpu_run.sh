@@ -22,7 +22,7 @@
 #                     QUANT_PRESET), or a pytest path such as
 #                     "tests/gpu/test_batching.py"
 #   GPU_RUN_BUDGET_S  wall-clock budget in seconds; stages are cut to fit (default 540)
-#   BENCH_ARGS        extra bench_engines.py arguments for bench-v2 / bench-v3 (e.g. "--streams 1,16,64
+#   BENCH_ARGS        extra bench_engines.py arguments for bench-v2, bench-v2-unpaged and bench-v3 (e.g. "--streams 1,16,64
 #                     --compare-threads --trace"); BENCH_CAP_S their time cap
 #   TRAIN_SECONDS     real-model: how long the model trains (default 120)
 #   QUANT_PRESET      quant-bench: the demo shape converted to 4 bpw EXL2 and EXL3 and benchmarked
@@ -196,8 +196,8 @@ m('$qmodel', preset='$preset', seed=0, device='cuda')"
             done ;;
         bench-v2) run_bench bench-v2 "${BENCH_CAP_S:-270}" --engine exllamav2 --paths raw,engine,gateway \
             ${BENCH_ARGS:-} ;;
-        bench-v2-unpaged) run_bench bench-v2-unpaged 150 --engine exllamav2 --unpaged --streams 1 \
-            --logprob-streams= --paths raw,engine,gateway ;;
+        bench-v2-unpaged) run_bench bench-v2-unpaged "${BENCH_CAP_S:-150}" --engine exllamav2 --unpaged --streams 1 \
+            --logprob-streams= --paths raw,engine,gateway ${BENCH_ARGS:-} ;;
         bench-v3) run_bench bench-v3 "${BENCH_CAP_S:-290}" --engine exllamav3 ${BENCH_ARGS:-} ;;
         logprobs-step)
             limit=$(allow "${BENCH_CAP_S:-290}")
