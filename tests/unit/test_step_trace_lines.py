@@ -5,6 +5,7 @@ process; no worker, no GPU."""
 from __future__ import annotations
 
 import json
+import mmap
 import time
 from pathlib import Path
 
@@ -127,8 +128,11 @@ def test_each_line_says_what_cpu_the_step_used_and_what_it_waited(tmp_path: Path
         time.sleep(0.03)
 
     def touching() -> None:
-        pages = bytearray(64 << 20)  # 64 MiB, written so that the kernel must back every page
-        pages[::4096] = b"x" * len(pages[::4096])
+        # 64 MiB straight from the kernel (not from an allocator that may hand back memory it already
+        # touched), written so that the kernel must back every page.
+        with mmap.mmap(-1, 64 << 20) as pages:
+            for offset in range(0, len(pages), 4096):
+                pages[offset] = 1
 
     for work in (computing, waiting, touching):
         trace.before_step()
