@@ -1,15 +1,16 @@
-"""The worker's link: the one thread that touches its socket, and the one that prepares prompts.
+"""The worker's link: the one thread that touches its socket, and the threads that prepare prompts.
 
-Runs in the worker process, on two threads of its own beside the engine thread
-(model_worker.serve_loop). The link thread owns the socket from `start()` to `close()`: it reads
-and decodes every frame from the gateway, and encodes and sends every frame to it (handed over as
-messages by `send()`), so it is never busy for long. The prompt thread prepares generation prompts
+Runs in the worker process, on threads of its own beside the engine thread (model_worker.serve_loop).
+The link thread owns the socket from `start()` to `close()`: it reads and decodes every frame from
+the gateway, and encodes and sends every frame to it (handed over as messages by `send()`), so it is
+never busy for long. The prompt threads (model_worker.prompt_threads) prepare generation prompts
 (chat template, tokenizer and the shared checks, through model_worker.prompt_desk) and embedding
-inputs (tokenized and checked), and answers Tokenize and Detokenize: a long prompt or text takes it
-a while, and in that time neither the engine's steps, its heartbeats, nor the frames that carry
-their tokens wait for it. Every message for the engine thread passes through the prompt thread in
-arrival order (a Cancel never overtakes its Generate or Embed), and the engine thread takes them
-from `take()`.
+inputs (tokenized and checked), and answer Tokenize and Detokenize: a long prompt or text takes one
+of them a while, and in that time neither the engine's steps, its heartbeats, the frames that carry
+their tokens, nor the requests that arrive behind it wait for it. Every message for the engine thread
+passes through them: each request's in arrival order (a Cancel never overtakes its Generate or
+Embed), and one about no request after everything read before it; the engine thread takes them from
+`take()`.
 
 Nothing is ever dropped: when ZeroMQ's queue to the gateway is full, the frame waits here and
 `send()` waits once the bounded hand-over queue is full too (backpressure: the engine pauses while
@@ -20,7 +21,7 @@ at its next call, which is fatal for the worker, so the gateway's liveness check
 The socket is a DEALER connected to one gateway, or (`model-worker --listen`) a ROUTER that several
 gateways connect to: then model_worker.gateway_peers says which gateway each frame goes to, and a
 gateway that is gone (silent, unroutable, unresponsive for the patience, or too far behind) loses its
-jobs, which are cancelled through the prompt thread like any Cancel, while the worker serves the
+jobs, which are cancelled through the prompt threads like any Cancel, while the worker serves the
 others; one that stops reading holds up only its own frames (model_worker.outbox).
 """
 
@@ -39,6 +40,7 @@ import zmq
 
 from model_worker.native_names import name_this_thread
 from model_worker.outbox import Outbox, PeerUnresponsive
+from model_worker.prompt_threads import PREPARED_TYPES, PromptThreads
 from wire import messages as wire
 from wire.codec import ProtocolError
 
@@ -53,7 +55,6 @@ logger = logging.getLogger(__name__)
 MAX_OUTBOUND = 4096
 BELL_READ_BYTES = 4096  # rings are one byte each: a read this long that comes back short took them all
 _WAKE = object()  # an inbound item that only wakes the engine thread (a stop was requested)
-_STOP = object()  # the prompt thread's last item
 
 
 class _LinkFailed:
@@ -75,25 +76,21 @@ class LinkThread:
         self._handover_waits = 0  # how often the engine found the hand-over queue full
         self.failure: BaseException | None = None
         self._inbound: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._to_prepare: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        # Generates read from the socket (this thread counts) and handed over prepared (the prompt
-        # thread counts): each count has one writer, so their difference needs no lock.
+        # Generates read from the socket (this thread counts, the only writer) against those handed
+        # over prepared (the prompt threads count, under their lock): `preparing`.
         self._generates_read = 0
-        self._generates_prepared = 0
         # Embeds read from the socket (this thread counts) and taken by the engine thread (it counts,
         # in took_embed): the difference is part of the load the worker reports, as queued.
         self._embeds_read = 0
         self._embeds_taken = 0
         self._outbound: queue.Queue[wire.Message] = queue.Queue(MAX_OUTBOUND)
-        self._replies: collections.deque[wire.Message] = collections.deque()  # the prompt thread's
+        self._replies: collections.deque[wire.Message] = collections.deque()  # the prompt threads'
         # When each message in _outbound was handed over, in order; and, with a step trace on
         # (trace_handoffs), where this thread puts how long each waited before it took it (seconds).
         self._handed_over_at: collections.deque[float] = collections.deque()
         self._handoff_waits: collections.deque[float] | None = None
         # Encoded frames ZeroMQ has not taken yet, in order for each gateway.
         self._outbox = Outbox(sock, patience_s)
-        self._desk: PromptDesk | None = None
-        self._desk_set = threading.Event()  # the prompt thread waits for it (a listener reads early)
         self._stopping = False
         # The doorbell: the engine thread writes a byte after each hand-over, this thread polls it
         # beside the socket (a socket must not be shared between threads, a pipe may).
@@ -103,28 +100,19 @@ class LinkThread:
         self._thread = threading.Thread(
             target=self._guarded, args=(self._loop,), name="worker-link", daemon=True
         )
-        self._prompt_thread = threading.Thread(
-            target=self._guarded, args=(self._prepare_loop,), name="worker-prompts", daemon=True
-        )
-        self._handlers: dict[type[wire.Message], Callable[[Any], None]] = {
-            wire.Generate: self._on_generate,
-            wire.Embed: self._on_embed,
-            wire.Tokenize: self._on_tokenize,
-            wire.Detokenize: self._on_detokenize,
-        }
+        self._prompts = PromptThreads(self._inbound.put, self._reply, self._guarded)
 
     # ---- the engine thread's side ------------------------------------------------------------
 
     def start(self) -> None:
         """From now on only the link thread uses the socket, until close() returns."""
         self._thread.start()
-        self._prompt_thread.start()
+        self._prompts.start()
 
     def serve_prompts(self, desk: PromptDesk) -> None:
         """Start reading the gateway's frames (until now they wait in the socket): the model is
         loaded, so prompts can be prepared."""
-        self._desk = desk
-        self._desk_set.set()
+        self._prompts.serve(desk)
         self._ring()
 
     def trace_handoffs(self, waits: collections.deque[float] | None) -> None:
@@ -193,7 +181,7 @@ class LinkThread:
     @property
     def preparing(self) -> int:
         """Generates that have arrived and are not handed over yet (their prompts being prepared)."""
-        return self._generates_read - self._generates_prepared
+        return self._generates_read - self._prompts.generates_prepared
 
     @property
     def embeds_arriving(self) -> int:
@@ -223,10 +211,7 @@ class LinkThread:
         """Send what is queued (for up to flush_s) and stop the thread; True once the socket is the
         caller's again. A thread that stopped on an error leaves its frames to be tried here."""
         deadline = time.monotonic() + flush_s
-        self._desk_set.set()  # a prompt thread still waiting for a model sees the stop instead
-        self._to_prepare.put(_STOP)
-        if self._prompt_thread.is_alive():  # its last replies go out with the rest
-            self._prompt_thread.join(flush_s)
+        self._prompts.close(flush_s)  # their last replies go out with the rest
         self._stopping = True
         self._ring()
         if self._thread.is_alive():
@@ -235,7 +220,7 @@ class LinkThread:
             logger.warning("frames to the gateway were still waiting after %.1fs; not sent", flush_s)
             return False
         self._send_leftovers()  # a thread that ended on an error (or never ran) may have left some
-        if not self._prompt_thread.is_alive():  # else it may still ring: its descriptors stay open
+        if not self._prompts.alive:  # else they may still ring: its descriptors stay open
             os.close(self._bell_read)
             os.close(self._bell_write)
         return True
@@ -277,7 +262,7 @@ class LinkThread:
         watched = 0
         while True:
             # A listener reads at once: gateways that connect while it loads are told so (and ping).
-            reading = self._desk is not None or self._peers is not None
+            reading = self._prompts.serving or self._peers is not None
             wanted = (zmq.POLLIN if reading else 0) | (zmq.POLLOUT if self._outbox else 0)
             if wanted != watched:
                 if wanted:
@@ -328,54 +313,23 @@ class LinkThread:
                 self._cancel(cancels)
                 if not forward:
                     continue
-            if type(message) in self._handlers or type(message) in self._forward:
+            if type(message) in PREPARED_TYPES or type(message) in self._forward:
                 if type(message) is wire.Generate:
                     self._generates_read += 1
                 elif type(message) is wire.Embed:
                     self._embeds_read += 1
-                self._to_prepare.put(message)
+                self._prompts.arrived.put(message)
             else:
                 logger.warning("dropped an unexpected %s frame", type(message).__name__)
 
     def _cancel(self, rids: list[str]) -> None:
         """Jobs of a gateway that is gone: cancelled in their turn, after their Generate."""
         for rid in rids:
-            self._to_prepare.put(wire.Cancel(rid))
+            self._prompts.arrived.put(wire.Cancel(rid))
 
-    # ---- the prompt thread -------------------------------------------------------------------
-
-    def _prepare_loop(self) -> None:
-        while (message := self._to_prepare.get()) is not _STOP:
-            self._desk_set.wait()  # frames read while the model loads wait for it here
-            if self._desk is None:  # stopping before the model was ever loaded
-                self._generates_prepared += type(message) is wire.Generate
-                continue
-            handler = self._handlers.get(type(message))
-            if handler is not None:
-                handler(message)
-            else:  # cancels, shutdown, reintroduce: as they are, in their turn
-                self._inbound.put(message)
-
-    def _on_generate(self, msg: wire.Generate) -> None:
-        assert self._desk is not None  # frames are read only once the desk is set
-        prepared = self._desk.prepare(msg)
-        # Counted before the hand-over: a gather that then sees none preparing steps without this
-        # job (it joins the next step), never waits for one already handed over.
-        self._generates_prepared += 1
-        self._inbound.put(prepared)
-
-    def _on_embed(self, msg: wire.Embed) -> None:
-        assert self._desk is not None
-        self._inbound.put(self._desk.prepare_embed(msg))
-
-    def _on_tokenize(self, msg: wire.Tokenize) -> None:
-        assert self._desk is not None
-        self._replies.append(self._desk.tokenize(msg))
-        self._ring()
-
-    def _on_detokenize(self, msg: wire.Detokenize) -> None:
-        assert self._desk is not None
-        self._replies.append(self._desk.detokenize(msg))
+    def _reply(self, message: wire.Message) -> None:
+        """An answer from a prompt thread (Tokens, Rejected): sent before the engine's queued frames."""
+        self._replies.append(message)
         self._ring()
 
     def _flush(self) -> None:

@@ -1,19 +1,31 @@
-"""Prompts prepared on the worker's prompt thread, before the engine thread sees them.
+"""Prompts prepared on the worker's preparing threads, before the engine thread sees them.
 
-Runs in the worker process, on the prompt thread (model_worker.link_thread). Owns the work a
-Generate needs before an engine can take it, none of which touches the engine: rendering chat
-messages with the model's template, tokenizing with a tokenizer the engine hands out for another
-thread (`Engine.text_codec`), and the shared checks (engines.validation). A Generate becomes a
-`PreparedJob`: its ids, or the rejection to answer it with; an Embed likewise becomes a
+Runs in the worker process, on its preparing threads (model_worker.prompt_threads), several at once.
+Owns the work a Generate needs before an engine can take it, none of which touches the engine:
+rendering chat messages with the model's template, tokenizing with a tokenizer the engine hands out
+for another thread (`Engine.text_codec`), and the shared checks (engines.validation). A Generate
+becomes a `PreparedJob`: its ids, or the rejection to answer it with; an Embed likewise becomes a
 `PreparedEmbed`, its inputs tokenized and checked (empty, too long, ids out of range, not an
 embedding model), so that the engine thread only runs them (model_worker.embedding_batch).
 Tokenize and Detokenize are answered here outright. A long prompt or embedding text is tokenized
 here while the engine keeps stepping every other job and the engine thread keeps its heartbeat.
+
+What the preparing threads share and what each has its own: the chat template is shared (a Jinja2
+template keeps no state between renders: each render has a context of its own), as are the checks
+(pure functions). The tokenizer is shared where encoding and decoding change no state: the exllama
+engines' copy (model_worker.engines.prompt_tokenizer), whose library code only reads, but for the
+pattern of special tokens it compiles on first use (the same whichever thread does), over a Rust
+tokenizer that `encode_batch` borrows shared, or a SentencePiece processor, which does not change
+as it encodes. A codec that can copy itself (`CopiesForThreads`: the transformers engines', whose
+fast tokenizer may change its Rust state inside a call and then raises "Already borrowed" beside
+another thread) gives each thread a copy of its own, made ahead for `PREPARING_THREADS` threads.
 """
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 from model_worker.chat_template import ChatTemplate
 from model_worker.engines.base import RequestRejected, TextCodec
@@ -23,6 +35,17 @@ from wire import messages as wire
 from wire.params import WorkerSpec
 from wire.results import RejectCode
 from wire.stats import EngineInfo
+
+# How many threads prepare prompts at once (model_worker.prompt_threads starts that many): two long
+# prompts being tokenized still leave one thread for the short requests that arrive behind them.
+PREPARING_THREADS = 3
+
+
+@runtime_checkable
+class CopiesForThreads(Protocol):
+    """A codec that is not to be shared between threads, and makes a copy of itself for another."""
+
+    def copy(self) -> TextCodec: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,7 +76,7 @@ class PromptDesk:
         supported: frozenset[str],
     ) -> None:
         self.codec, self.spec, self.info, self.supported = codec, spec, info, supported
-        self.prompts = PromptBuilder(codec, chat_template, spec.name)
+        self._builders = _BuilderPerThread(codec, chat_template, spec.name)
 
     def prepare(self, msg: wire.Generate) -> PreparedJob:
         try:
@@ -63,7 +86,7 @@ class PromptDesk:
                     f"model '{self.spec.name}' is an embedding model; use /v1/embeddings",
                     "model",
                 )
-            prompt_ids = self.prompts.ids(msg.prompt, msg.prompt_token_ids, msg.messages, msg.chat)
+            prompt_ids = self._builders.mine().ids(msg.prompt, msg.prompt_token_ids, msg.messages, msg.chat)
             check_job(prompt_ids, msg.params, self.info.max_seq_len, self.info.vocab_size, self.supported,
                       self.spec.engine, "messages" if msg.messages is not None else "prompt")  # fmt: skip
         except RequestRejected as exc:
@@ -77,10 +100,11 @@ class PromptDesk:
                     RejectCode.INVALID_REQUEST, f"model '{self.spec.name}' is not an embedding model", "model"
                 )
             inputs: list[list[int]] = []
+            codec = self._builders.mine().codec
             # Each input is checked as it is tokenized: a text that is too long refuses the request
             # before the texts after it cost the tokenizer anything.
             for text in msg.texts or []:
-                inputs.append(self._check_input(self.codec.encode(text, add_special_tokens=True)))
+                inputs.append(self._check_input(codec.encode(text, add_special_tokens=True)))
             for ids in msg.token_ids or []:
                 inputs.append(self._check_input(list(ids)))
         except RequestRejected as exc:
@@ -103,11 +127,12 @@ class PromptDesk:
         return ids
 
     def tokenize(self, msg: wire.Tokenize) -> wire.Tokens | wire.Rejected:
+        builder = self._builders.mine()
         try:
             if msg.messages is not None:
-                ids = self.prompts.chat_ids(msg.messages, msg.chat)
+                ids = builder.chat_ids(msg.messages, msg.chat)
             else:
-                ids = self.codec.encode(msg.prompt or "", add_special_tokens=msg.add_special_tokens)
+                ids = builder.codec.encode(msg.prompt or "", add_special_tokens=msg.add_special_tokens)
         except RequestRejected as exc:
             return wire.Rejected(msg.rid, exc.code, exc.message, exc.param)
         return wire.Tokens(msg.rid, ids, "")
@@ -118,4 +143,39 @@ class PromptDesk:
         if bad:
             message = f"token ids out of range: {bad[:5]}"
             return wire.Rejected(msg.rid, RejectCode.INVALID_TOKENS, message, "tokens")
-        return wire.Tokens(msg.rid, list(msg.token_ids), self.codec.decode(list(msg.token_ids)))
+        text = self._builders.mine().codec.decode(list(msg.token_ids))
+        return wire.Tokens(msg.rid, list(msg.token_ids), text)
+
+
+class _BuilderPerThread:
+    """The prompt builder of the calling thread: over the one codec where it may be shared, else
+    over a codec of the thread's own (`PREPARING_THREADS` of them made ahead, on the thread that
+    builds the desk, so that no request waits for a copy)."""
+
+    def __init__(self, codec: TextCodec, chat_template: ChatTemplate | None, model_name: str) -> None:
+        self._codec, self._template, self._model_name = codec, chat_template, model_name
+        self._shared: PromptBuilder | None = None
+        self._spares: list[PromptBuilder] = []
+        if isinstance(codec, CopiesForThreads):
+            self._spares = [self._builder(codec)]
+            self._spares += [self._builder(codec.copy()) for _ in range(PREPARING_THREADS - 1)]
+        else:
+            self._shared = self._builder(codec)
+        self._lock = threading.Lock()  # several threads take spares
+        self._local = threading.local()
+
+    def _builder(self, codec: TextCodec) -> PromptBuilder:
+        return PromptBuilder(codec, self._template, self._model_name)
+
+    def mine(self) -> PromptBuilder:
+        if self._shared is not None:
+            return self._shared
+        builder: PromptBuilder | None = getattr(self._local, "builder", None)
+        if builder is None:
+            with self._lock:
+                spare = self._spares.pop() if self._spares else None
+            if spare is None:  # more threads than were planned for (a test calling from its own)
+                assert isinstance(self._codec, CopiesForThreads)
+                spare = self._builder(self._codec.copy())
+            builder = self._local.builder = spare
+        return builder

@@ -10,6 +10,7 @@ the small hooks below. torch and the engine library are bound by the subclass's 
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -36,13 +37,28 @@ class GeneratorJob:
     started: bool = False  # its first token came: its prompt tokens found in the cache are counted
 
 
-class LibraryCodec:
-    """encode/decode through an exllama library tokenizer (the engine's, or the prompt thread's copy)."""
+# exllamav3 encodes a text this long in chunks, with TOKENIZERS_PARALLELISM switched on in
+# os.environ for the call and then restored or deleted: two such calls at once on different threads
+# could delete it twice (a KeyError that would end the worker), so they take turns.
+LONG_TEXT_CHARS = 32_768
+_LONG_ENCODES = threading.Lock()
 
-    def __init__(self, tokenizer: Any, torch: Any) -> None:
+
+class LibraryCodec:
+    """encode/decode through an exllama library tokenizer (the engine's, or the copy the prompt
+    threads share: `serial_long_texts` makes their encodes of long texts take turns)."""
+
+    def __init__(self, tokenizer: Any, torch: Any, serial_long_texts: bool = False) -> None:
         self.tokenizer, self.torch = tokenizer, torch
+        self._serial_long_texts = serial_long_texts
 
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        if self._serial_long_texts and len(text) >= LONG_TEXT_CHARS:
+            with _LONG_ENCODES:  # short texts still encode beside a long one
+                return self._encode(text, add_special_tokens)
+        return self._encode(text, add_special_tokens)
+
+    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
         # Chat templates put special tokens in the text; they must become their ids, not text.
         ids = self.tokenizer.encode(text, add_bos=add_special_tokens, encode_special_tokens=True)
         return [int(t) for t in ids[0].tolist()]
@@ -149,9 +165,11 @@ class DynamicGeneratorEngine:
         return self._codec
 
     def text_codec(self) -> TextCodec:
-        # A shallow copy, not a second tokenizer (that would rebuild every piece table): encode and
-        # decode change no state, and the copy lets the GIL go while it encodes.
-        return LibraryCodec(releasing_copy(self.tokenizer), self._torch)
+        # A shallow copy, not a second tokenizer (that would rebuild every piece table), shared by
+        # the prompt threads: encode and decode change no tokenizer state (exllamav3's long-text
+        # switch of os.environ aside, see LONG_TEXT_CHARS), and the copy lets the GIL go while it
+        # encodes.
+        return LibraryCodec(releasing_copy(self.tokenizer), self._torch, serial_long_texts=True)
 
     def draft_name(self) -> str:
         s = self.settings

@@ -164,7 +164,7 @@ def test_embedding_requests_count_in_the_load_while_they_run_and_wait(gateway: F
 
 
 def test_an_embedding_whose_inputs_are_being_tokenized_counts_as_queued(gateway: FakeGateway) -> None:
-    """Tokenizing a large request takes the prompt thread a while (about a second here) before the
+    """Tokenizing a large request takes a prompt thread a while (about a second here) before the
     engine thread sees it: the worker is not idle meanwhile, the request waits (queued)."""
     while held(gateway.heartbeat()) != (0, 0):
         pass
@@ -178,7 +178,12 @@ def test_an_embedding_whose_inputs_are_being_tokenized_counts_as_queued(gateway:
             break
     assert held(beat) == (0, 1) and beat.load.idle_s == 0.0, beat.load
     gateway.send(wire.Cancel("slow"))  # after its Embed, in order: never answered
+    # Prepared beside the large one on another prompt thread: it need not wait for its tokenizing.
     gateway.send(wire.Embed("probe", ["after the cancel"], None))
     _, answer = gateway.next(wire.Embeddings, wire.Rejected)
     assert isinstance(answer, wire.Embeddings) and answer.rid == "probe", answer
-    assert held(gateway.heartbeat()) == (0, 0)
+    while held(gateway.heartbeat()) != (0, 0):  # until the large one is tokenized, then cancelled
+        pass
+    gateway.send(wire.Embed("probe-2", ["after it"], None))
+    _, answer = gateway.next(wire.Embeddings, wire.Rejected)
+    assert isinstance(answer, wire.Embeddings) and answer.rid == "probe-2", answer  # "slow" never was
