@@ -16,9 +16,11 @@ template keeps no state between renders: each render has a context of its own), 
 engines' copy (model_worker.engines.prompt_tokenizer), whose library code only reads, but for the
 pattern of special tokens it compiles on first use (the same whichever thread does), over a Rust
 tokenizer that `encode_batch` borrows shared, or a SentencePiece processor, which does not change
-as it encodes. A codec that can copy itself (`CopiesForThreads`: the transformers engines', whose
-fast tokenizer may change its Rust state inside a call and then raises "Already borrowed" beside
-another thread) gives each thread a copy of its own, made ahead for `PREPARING_THREADS` threads.
+as it encodes (texts of 32,768 characters or more take turns there: exllamav3 switches an
+environment variable around them, see model_worker.engines.dynamic_generator). A codec that can
+copy itself (`CopiesForThreads`: the transformers engines', whose fast tokenizer may change its
+Rust state inside a call and then raises "Already borrowed" beside another thread) gives each
+thread a copy of its own, made ahead for `PREPARING_THREADS` threads.
 """
 
 from __future__ import annotations
