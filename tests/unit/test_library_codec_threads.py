@@ -15,8 +15,8 @@ from model_worker.engines.dynamic_generator import LONG_TEXT_CHARS, LibraryCodec
 class OverlapTokenizer:
     """Each encode waits at a barrier for a second one: if two get there at once, they overlapped."""
 
-    def __init__(self) -> None:
-        self.barrier = threading.Barrier(2, timeout=1.0)
+    def __init__(self, wait_s: float) -> None:
+        self.barrier = threading.Barrier(2, timeout=wait_s)
         self.overlapped = 0
         self.lock = threading.Lock()
 
@@ -45,7 +45,7 @@ def encode_two_at_once(codec: LibraryCodec, first: str, second: str) -> list[lis
 
 
 def test_two_long_texts_take_turns_on_the_shared_codec() -> None:
-    tokenizer = OverlapTokenizer()
+    tokenizer = OverlapTokenizer(wait_s=1.0)  # each waits this long for the other, which never comes
     codec = LibraryCodec(tokenizer, torch, serial_long_texts=True)
     long_text = "x" * LONG_TEXT_CHARS
     assert encode_two_at_once(codec, long_text, long_text) == [[LONG_TEXT_CHARS], [LONG_TEXT_CHARS]]
@@ -53,7 +53,7 @@ def test_two_long_texts_take_turns_on_the_shared_codec() -> None:
 
 
 def test_a_short_text_encodes_beside_a_long_one() -> None:
-    tokenizer = OverlapTokenizer()
+    tokenizer = OverlapTokenizer(wait_s=30.0)  # met at once when they overlap; long, for a slow machine
     codec = LibraryCodec(tokenizer, torch, serial_long_texts=True)
     encode_two_at_once(codec, "x" * LONG_TEXT_CHARS, "short")
     assert tokenizer.overlapped == 2
