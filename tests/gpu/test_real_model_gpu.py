@@ -55,12 +55,16 @@ pytestmark = pytest.mark.gpu
 
 MAX_SEQ_LEN = 1024
 GREEDY_TOKENS = 32
+CHAT_TOKENS = 24
 # fp16 kernels against a float32 reference: logits differ by ~1e-2, so a top-two gap below this
 # may flip. Anything wider is a real difference (a wrong rope_theta gives several nats).
 CROSS_TIE = 0.1
-WINDOWS, WINDOW = 4, 128  # teacher-forced agreement: prefixes of these held-out windows
-# What quantization may cost on a 34M-parameter model (small models lose more than large ones).
-AGREEMENT_MIN = {"fp16": 0.97, "kv-q8": 0.95, "kv-q6": 0.92, "kv-q4": 0.85, "exl2": 0.80, "exl3": 0.80}
+WINDOWS, WINDOW = 8, 128  # teacher-forced agreement: prefixes of these held-out windows (1,024 cases)
+# What quantization may cost on a 34M-parameter model (small models lose more than large ones). Each
+# training run makes another model: over seven of them a Q6 cache agreed on 0.912-0.932 of 512 cases and
+# Q4 on 0.855-0.898, so the floors leave room for the model and for the count (its standard error is
+# about 0.01); a broken cache agrees on far less.
+AGREEMENT_MIN = {"fp16": 0.97, "kv-q8": 0.95, "kv-q6": 0.90, "kv-q4": 0.83, "exl2": 0.80, "exl3": 0.80}
 EXL2_PPL_RATIO_MAX = 1.15
 CHATS = [("What is the capital of France?", "Paris"), ("What is 12 plus 30?", "42"),
          ("What is the capital of Japan?", "Tokyo")]  # fmt: skip
@@ -132,7 +136,8 @@ class Reference:
         return seq[len(ids) :], tops
 
     def text(self, token_id: int) -> str:
-        return str(self.tokenizer.decode([token_id]))
+        """The token's own text as the API lists it: a special token (<|im_start|>) has none."""
+        return str(self.tokenizer.decode([token_id], skip_special_tokens=True))
 
 
 @pytest.fixture(scope="module")
@@ -168,34 +173,45 @@ def need(served: set[str], name: str, mode: str) -> None:
         pytest.skip(f"{name} is not served in this run")
 
 
+def diverged_at_near_tie(
+    reference: Reference, ids: list[int], n: int, got: list[str], finish_reason: str, label: str
+) -> bool:
+    """Checks the engine's greedy tokens `got` (each token's own text) for the prompt `ids` against
+    transformers' n greedy tokens. Returns False when they are the same tokens with the same end;
+    True when they part where transformers' top two were a near-tie (fp16 against float32 may flip
+    it); fails the test at any other difference."""
+    want, tops = reference.greedy(ids, n)
+    ended = bool(want) and want[-1] in reference.end_ids
+    expected = [reference.text(t) for t in (want[:-1] if ended else want)]
+    at = next((k for k, (a, b) in enumerate(zip(got, expected, strict=False)) if a != b), None)
+    if at is None:
+        # The same tokens, and the same end: transformers' end token (which the API may list as one
+        # more, textless token) or the token limit.
+        lengths = (len(expected), len(expected) + 1) if ended else (n,)
+        assert len(got) in lengths, (label, got, expected)
+        assert finish_reason == ("stop" if ended else "length"), (label, finish_reason)
+        return False
+    (first, second), (lp1, lp2) = tops[at]
+    assert got[at] == reference.text(second) and lp1 - lp2 < CROSS_TIE, (
+        f"{label}: token {at} is {got[at]!r}, transformers chose {expected[at]!r} with a top-two gap of "
+        f"{lp1 - lp2:.3f} (not a near-tie); text so far {''.join(got[:at])!r}"
+    )
+    return True
+
+
 @pytest.mark.parametrize("mode", list(ENGINE_MODES))
 def test_fp16_greedy_equals_transformers(
     mode: str, gateway: GatewayProcess, served: set[str], reference: Reference, prompts: list[list[int]]
 ) -> None:
     need(served, FP16[mode], mode)
-    matched, ties = 0, 0
+    ties = 0
     for i, ids in enumerate(prompts):
-        want, tops = reference.greedy(ids, GREEDY_TOKENS)
         choice = complete(gateway, FP16[mode], ids, max_tokens=GREEDY_TOKENS, logprobs=2)["choices"][0]
         got = choice["logprobs"]["tokens"]
-        ended = bool(want) and want[-1] in reference.end_ids
-        expected = [reference.text(t) for t in (want[:-1] if ended else want)]
-        at = next((k for k, (a, b) in enumerate(zip(got, expected, strict=False)) if a != b), None)
-        if at is None:
-            # The same tokens, and the same end: transformers' end token (which the API may list
-            # as one more, textless token) or max_tokens.
-            lengths = (len(expected), len(expected) + 1) if ended else (GREEDY_TOKENS,)
-            assert len(got) in lengths, (got, expected)
-            assert choice["finish_reason"] == ("stop" if ended else "length"), choice["finish_reason"]
-            matched += len(expected)
-            continue
-        (first, second), (lp1, lp2) = tops[at]
-        assert got[at] == reference.text(second) and lp1 - lp2 < CROSS_TIE, (
-            f"{mode}, prompt {i}: token {at} is {got[at]!r}, transformers chose {expected[at]!r} with a "
-            f"top-two gap of {lp1 - lp2:.3f} (not a near-tie); text so far {''.join(got[:at])!r}"
+        ties += diverged_at_near_tie(
+            reference, ids, GREEDY_TOKENS, got, choice["finish_reason"], f"{mode}, prompt {i}"
         )
-        matched, ties = matched + at, ties + 1
-    record(f"trained fp16 greedy vs transformers {mode}", tokens_matched=matched, near_ties=ties)
+    record(f"trained fp16 greedy vs transformers {mode}", prompts=len(prompts), near_ties=ties)
     assert ties <= len(prompts) // 2, f"{ties} of {len(prompts)} prompts diverged at near-ties"
 
 
@@ -212,13 +228,31 @@ def test_prompts_would_catch_a_wrong_rope_theta(reference: Reference, prompts: l
 
 
 @pytest.mark.parametrize("mode", list(ENGINE_MODES))
-def test_trained_chat_answers(mode: str, gateway: GatewayProcess, served: set[str]) -> None:
+def test_trained_chat_answers(
+    mode: str, gateway: GatewayProcess, served: set[str], reference: Reference
+) -> None:
+    """/v1/chat/completions renders the folder's chat template as transformers does and answers with
+    transformers' greedy tokens. Whether the answer is right is the training's doing (a 2-minute run
+    may teach 12 + 30 = 44), so it is recorded, not asserted."""
     need(served, FP16[mode], mode)
+    ties, right = 0, []
     for question, answer in CHATS:
         body = {"model": FP16[mode], "messages": [{"role": "user", "content": question}], "temperature": 0,
-                "max_tokens": 24}  # fmt: skip
-        reply = httpx.post(gateway.url + "/v1/chat/completions", json=body, timeout=300).json()["choices"][0]
-        assert answer in reply["message"]["content"] and reply["finish_reason"] == "stop", (question, reply)
+                "max_tokens": CHAT_TOKENS, "logprobs": True}  # fmt: skip
+        response = httpx.post(gateway.url + "/v1/chat/completions", json=body, timeout=300)
+        assert response.status_code == 200, response.text
+        reply = response.json()["choices"][0]
+        got = [entry["token"] for entry in reply["logprobs"]["content"]]
+        rendered = reference.tokenizer.apply_chat_template(
+            [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=False
+        )
+        ids = reference.tokenizer.encode(rendered)
+        ties += diverged_at_near_tie(
+            reference, ids, CHAT_TOKENS, got, reply["finish_reason"], f"{mode}, {question!r}"
+        )
+        right.append(answer in reply["message"]["content"])
+    record(f"trained chat vs transformers {mode}", chats=len(CHATS), near_ties=ties, right_answers=sum(right))
+    assert ties <= 1, f"{ties} of {len(CHATS)} chats diverged at near-ties"
 
 
 def _agreement(gateway: GatewayProcess, model: str, reference: Reference) -> float:
