@@ -68,6 +68,8 @@ async def chat_completions(data: ChatCompletionRequest) -> Any:
         messages = [m.to_wire() for m in data.messages]
         check_generation_count(route, 1, data.n)
         params = data.sampling_params(route.config, data.logprobs_count(), plan.constraint_schema())
+        plan.check_output_constraint(params.json_object or params.json_schema is not None,
+                                     data.constraint_field(False))  # fmt: skip
         params, reasoning = plan_reasoning(route.config, options.template_kwargs, data.thinking_token_budget,
                                            "thinking_token_budget", params)  # fmt: skip
         formatter = ResponseFormatter(

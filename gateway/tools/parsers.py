@@ -79,6 +79,12 @@ class ToolParser:
     def parse(self, text: str) -> ParsedOutput:
         raise NotImplementedError
 
+    @property
+    def reads_bare_json(self) -> bool:
+        """Whether an output that is one JSON value may hold calls (llama3_json's {...}, mistral's
+        [{...}]); hermes and qwen calls need their tags, which JSON output never opens with."""
+        return any(marker[0] in "{[" for marker in self.start_markers)
+
     def new_call_id(self) -> str:
         return "call_" + secrets.token_hex(12)
 

@@ -71,6 +71,20 @@ class ToolPlan:
             return json.dumps(schema, separators=(",", ":"))
         return None
 
+    def check_output_constraint(self, json_constraint: bool, field: str) -> None:
+        """Under tool_choice auto a JSON constraint (response_format, guided_json, ...) holds the
+        whole output to one JSON value; unless the parser reads calls from bare JSON, the model could
+        then never call a tool. InvalidRequest naming `field` then, rather than tools quietly
+        dropped. A regex may write the parser's tags, so it stays the client's to shape."""
+        if self.mode != "auto" or not json_constraint or self.parser is None or self.parser.reads_bare_json:
+            return
+        raise InvalidRequest(
+            f"{field} cannot be combined with tools under tool_choice auto: its JSON output could never "
+            f"hold a {self.parser.name} tool call; use tool_choice none, required or a named function, "
+            f"or leave {field} out",
+            param=field,
+        )
+
     def read(self, text: str) -> ParsedOutput:
         """The final output as content and tool calls (none when it does not hold valid calls)."""
         if self.mode == "named":

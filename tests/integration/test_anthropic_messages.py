@@ -209,7 +209,10 @@ def test_errors_have_anthropics_shape_and_name_the_field(
     assert "max_tokens" in missing.json()["error"]["message"]
     for extra, name in (({"top_logprobs": 2}, "top_logprobs"), ({"container": "c"}, "container"),
                         ({"thinking": {"type": "enabled", "budget_tokens": 8}}, "thinking"),
-                        ({"output_config": {"effort": "high"}}, "output_config")):  # fmt: skip
+                        ({"output_config": {"effort": "high"}}, "output_config"),
+                        # JSON output could never hold a hermes tool call: tools refused, not dropped.
+                        ({"tools": [WEATHER], "output_config": {"format": {"type": "json_schema",
+                          "schema": {"type": "object"}}}}, "output_config")):  # fmt: skip
         with pytest.raises(anthropic.BadRequestError) as refused:
             client.messages.create(model="m", max_tokens=4, messages=ASK, extra_body=extra)
         assert (

@@ -179,6 +179,12 @@ def test_refusals_name_the_model_or_field(client: openai.OpenAI) -> None:
             tool_choice={"type": "function", "function": {"name": "nope"}},
         )
     assert "nope" in info.value.message
+    # Under tool_choice auto a JSON output could never hold a hermes call: refused, not tools dropped.
+    for extra, field in (({"response_format": {"type": "json_object"}}, "response_format"),
+                         ({"guided_json": {"type": "object"}}, "guided_json")):  # fmt: skip
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(model="m", messages=ASK, tools=[WEATHER], extra_body=extra)
+        assert info.value.body["param"] == field and "tool call" in info.value.message  # type: ignore[index]
     # tool_choice none: no tools in the prompt and no parsing, a plain answer.
     reply = client.chat.completions.create(
         model="m", messages=ASK, tools=[WEATHER], tool_choice="none", max_tokens=4

@@ -87,3 +87,17 @@ def test_plans() -> None:
         plan_tools(TOOLS, "auto", None, "m", None)
     with pytest.raises(InvalidRequest, match="needs tools"):
         plan_tools(None, "required", None, "m", "hermes")
+
+
+def test_a_json_constraint_under_auto_is_refused_unless_json_may_hold_calls() -> None:
+    """response_format (or guided_json, ...) with tools under tool_choice auto: a hermes or qwen call
+    needs its tags, which JSON output never writes, so tools would be dropped without a word."""
+    for parser in ("hermes", "qwen"):
+        with pytest.raises(InvalidRequest, match=f"guided_json cannot be combined.*{parser}") as info:
+            plan_tools(TOOLS, "auto", None, "m", parser).check_output_constraint(True, "guided_json")
+        assert info.value.param == "guided_json"
+    for parser in ("llama3_json", "mistral"):  # a call may be the JSON itself: {...} or [{...}]
+        plan_tools(TOOLS, "auto", None, "m", parser).check_output_constraint(True, "response_format")
+    plan_tools(TOOLS, "auto", None, "m", "hermes").check_output_constraint(False, "regex")  # may write tags
+    for choice in ("none", "required", {"type": "function", "function": {"name": "f"}}):
+        plan_tools(TOOLS, choice, None, "m", "hermes").check_output_constraint(True, "response_format")
