@@ -26,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -140,20 +141,18 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     config = work / "models.yaml"
     config.write_text(yaml.safe_dump({"models": entries, "server": {"max_body_bytes": 64 * 1024 * 1024}}))
     long_model = OTHER_MODEL if args.long_prompts_to_other_model else MODEL
-    corpus = (REPO_ROOT / "gateway" / "demo" / "corpus.txt").read_text()
-    long_text = (corpus * (args.prompt_chars // len(corpus) + 1))[: args.prompt_chars]
+    long_prompt = repeated_corpus(args.prompt_chars)
     checkouts = {"this": REPO_ROOT, **({"compare": args.compare.resolve()} if args.compare else {})}
     gateways = {name: Gateway(path, config, work / f"{name}.log") for name, path in checkouts.items()}
     results: dict[str, list[dict[str, Any]]] = {name: [] for name in checkouts}
     try:
         for gw in gateways.values():  # a warm-up of each
-            asyncio.run(one_phase(gw.url, args.tokens, long_text, 1))
+            asyncio.run(one_phase(gw.url, args.tokens, long_prompt, 1))
         for round_index in range(args.rounds):
-            names = list(checkouts) if round_index % 2 == 0 else list(reversed(checkouts))
-            for name in names:
+            for name in round_order(list(checkouts), round_index):
                 url = gateways[name].url
                 quiet = asyncio.run(one_phase(url, args.tokens, None, 0))
-                loaded = asyncio.run(one_phase(url, args.tokens, long_text, args.prompts, long_model))
+                loaded = asyncio.run(one_phase(url, args.tokens, long_prompt, args.prompts, long_model))
                 results[name].append({"quiet": quiet, "long_prompts": loaded,
                                       "stall_ratio": loaded["gap_ms_max"] / quiet["gap_ms_p50"]})  # fmt: skip
                 print(f"round {round_index + 1} {name}: quiet gap p50 {quiet['gap_ms_p50']:.1f} ms, "
@@ -175,6 +174,40 @@ def commit_of(checkout: Path) -> str:
     return commit.strip() + ("+changes" if changes.strip() else "")
 
 
+def repeated_corpus(chars: int) -> str:
+    """The demo corpus repeated to `chars` characters: a prompt that takes long to tokenize."""
+    corpus = (REPO_ROOT / "gateway" / "demo" / "corpus.txt").read_text()
+    return (corpus * (chars // len(corpus) + 1))[:chars]
+
+
+def round_order(names: list[str], round_index: int) -> list[str]:
+    """The checkouts in this round's order: reversed every other round, so neither always goes first."""
+    return names if round_index % 2 == 0 else list(reversed(names))
+
+
+def spread(values: list[float], digits: int = 1) -> str:
+    return f"{statistics.median(values):.{digits}f} ({min(values):.{digits}f}-{max(values):.{digits}f})"
+
+
+def paired_by_round(
+    report: dict[str, Any], value: Callable[[dict[str, Any]], float], label: str
+) -> list[str]:
+    """The summary's last line when two checkouts ran: `value` of this / compare, paired by round."""
+    if "compare" not in report["rounds"]:
+        return []
+    this, other = report["rounds"]["this"], report["rounds"]["compare"]
+    pairs = [value(a) / value(b) for a, b in zip(this, other, strict=True)]
+    return ["", f"{label}, this / compare, paired by round: median {spread(pairs, 3)}."]
+
+
+def save(stem: Path, report: dict[str, Any], text: str) -> None:
+    """The table as stem.md and the report as stem.json; the table printed too."""
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    stem.with_suffix(".md").write_text(text + "\n")
+    stem.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
+    print(text)
+
+
 def summary(report: dict[str, Any]) -> str:
     env = report["env"]
     lines = [f"```\n{env['cpu']}, {env['cores']} cores | {env['date']} | demo model (small), "
@@ -188,16 +221,9 @@ def summary(report: dict[str, Any]) -> str:
         ratios = [r["stall_ratio"] for r in rounds]
         quiet = statistics.median(r["quiet"]["gap_ms_p50"] for r in rounds)
         tok = statistics.median(t for r in rounds for t in r["long_prompts"]["tokenize_ms"])
-        lines.append(f"| {name} ({report['checkouts'][name]}) | {quiet:.1f} "
-                     f"| {statistics.median(longest):.1f} "
-                     f"({min(longest):.1f}-{max(longest):.1f}) | {statistics.median(ratios):.1f} "
-                     f"({min(ratios):.1f}-{max(ratios):.1f}) | {tok:.0f} |")  # fmt: skip
-    if "compare" in report["rounds"]:
-        this, other = report["rounds"]["this"], report["rounds"]["compare"]
-        pairs = [a["long_prompts"]["gap_ms_max"] / b["long_prompts"]["gap_ms_max"]
-                 for a, b in zip(this, other, strict=True)]  # fmt: skip
-        lines += ["", f"Longest gap, this / compare, paired by round: median {statistics.median(pairs):.3f} "
-                  f"({min(pairs):.3f}-{max(pairs):.3f})."]  # fmt: skip
+        lines.append(f"| {name} ({report['checkouts'][name]}) | {quiet:.1f} | {spread(longest)} "
+                     f"| {spread(ratios)} | {tok:.0f} |")  # fmt: skip
+    lines += paired_by_round(report, lambda r: r["long_prompts"]["gap_ms_max"], "Longest gap")
     return "\n".join(lines)
 
 
@@ -225,12 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     report: dict[str, Any] = {"env": env}
     with tempfile.TemporaryDirectory(prefix="bench-stall-") as tmp:
         report.update(run(args, Path(tmp)))
-    text = summary(report)
-    args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / f"bench_prompt_stall_{date}"
-    stem.with_suffix(".md").write_text(text + "\n")
-    stem.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
-    print(text)
+    save(args.out / f"bench_prompt_stall_{date}", report, summary(report))
     return 0
 
 

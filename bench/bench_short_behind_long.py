@@ -42,7 +42,16 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import httpx  # noqa: E402
 import yaml  # noqa: E402
 
-from bench.bench_prompt_stall import MODEL, Gateway, commit_of  # noqa: E402
+from bench.bench_prompt_stall import (  # noqa: E402
+    MODEL,
+    Gateway,
+    commit_of,
+    paired_by_round,
+    repeated_corpus,
+    round_order,
+    save,
+    spread,
+)
 from tests.harness import async_wait_until  # noqa: E402
 
 SHORT = {"model": MODEL, "prompt": "The history of", "max_tokens": 8, "temperature": 0, "ignore_eos": True,
@@ -122,20 +131,18 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
              "engine_settings": {"threads": 1}}  # fmt: skip
     config = work / "models.yaml"
     config.write_text(yaml.safe_dump({"models": [entry], "server": {"max_body_bytes": 64 * 1024 * 1024}}))
-    corpus = (REPO_ROOT / "gateway" / "demo" / "corpus.txt").read_text()
-    long_text = (corpus * (args.prompt_chars // len(corpus) + 1))[: args.prompt_chars]
+    long_prompt = repeated_corpus(args.prompt_chars)
     checkouts = {"this": REPO_ROOT, **({"compare": args.compare.resolve()} if args.compare else {})}
     gateways = {name: Gateway(path, config, work / f"{name}.log") for name, path in checkouts.items()}
     results: dict[str, list[dict[str, Any]]] = {name: [] for name in checkouts}
     try:
         for gw in gateways.values():  # a warm-up of each: one burst of each kind
-            asyncio.run(one_burst_pair(gw.url, args, long_text))
+            asyncio.run(one_burst_pair(gw.url, args, long_prompt))
         for round_index in range(args.rounds):
-            names = list(checkouts) if round_index % 2 == 0 else list(reversed(checkouts))
-            for name in names:
+            for name in round_order(list(checkouts), round_index):
                 url = gateways[name].url
                 quiet = asyncio.run(one_phase(url, args, None))
-                behind = asyncio.run(one_phase(url, args, long_text))
+                behind = asyncio.run(one_phase(url, args, long_prompt))
                 ratio = behind["ttft_ms_p50"] / quiet["ttft_ms_p50"]
                 results[name].append({"quiet": quiet, "behind_long": behind, "ratio": ratio})
                 print(f"round {round_index + 1} {name}: first token quiet {quiet['ttft_ms_p50']:.1f} ms, "
@@ -157,10 +164,6 @@ async def one_burst_pair(url: str, args: argparse.Namespace, long_text: str) -> 
         await one_burst(client, args.shorts, long_text)
 
 
-def spread(values: list[float], digits: int = 1) -> str:
-    return f"{statistics.median(values):.{digits}f} ({min(values):.{digits}f}-{max(values):.{digits}f})"
-
-
 def summary(report: dict[str, Any]) -> str:
     env = report["env"]
     lines = [f"```\n{env['cpu']}, {env['cores']} cores | {env['date']} | load average {env['load_before']} "
@@ -180,12 +183,9 @@ def summary(report: dict[str, Any]) -> str:
         ratios = spread([r["ratio"] for r in rounds], 2)
         lines.append(f"| {name} ({report['checkouts'][name]}) | {spread(quiet)} | {spread(behind)} "
                      f"| {ratios} | {before}/{shorts} | {long_ms:.0f} |")  # fmt: skip
-    if "compare" in report["rounds"]:
-        this, other = report["rounds"]["this"], report["rounds"]["compare"]
-        pairs = [a["behind_long"]["ttft_ms_p50"] / b["behind_long"]["ttft_ms_p50"]
-                 for a, b in zip(this, other, strict=True)]  # fmt: skip
-        lines += ["", f"First token behind a long prompt, this / compare, paired by round: median "
-                  f"{spread(pairs, 3)}."]  # fmt: skip
+    lines += paired_by_round(
+        report, lambda r: r["behind_long"]["ttft_ms_p50"], "First token behind a long prompt"
+    )
     return "\n".join(lines)
 
 
@@ -209,12 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-short-") as tmp:
         report.update(run(args, Path(tmp)))
     env["load_after"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
-    text = summary(report)
-    args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / f"bench_short_behind_long_{date}"
-    stem.with_suffix(".md").write_text(text + "\n")
-    stem.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
-    print(text)
+    save(args.out / f"bench_short_behind_long_{date}", report, summary(report))
     return 0
 
 

@@ -8,6 +8,7 @@ for readiness over HTTP, and on exit sends SIGTERM and checks that the gateway e
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import os
 import signal
@@ -152,6 +153,34 @@ def free_port() -> int:
         if port not in _ports_handed_out:
             _ports_handed_out.add(port)
             return port
+
+
+@contextlib.contextmanager
+def dealer_and_router(folder: Path, small_buffers: bool = False) -> Iterator[tuple[Any, Any]]:
+    """A worker's DEALER (identity b"w") connected to a gateway's ROUTER over ipc in `folder`;
+    small_buffers: one message of high-water mark and 4 KiB of socket buffer each, so that a
+    sender feels back-pressure at once."""
+    import zmq
+
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    dealer = ctx.socket(zmq.DEALER)
+    if small_buffers:
+        router.setsockopt(zmq.RCVHWM, 1)
+        router.setsockopt(zmq.RCVBUF, 4096)
+        dealer.setsockopt(zmq.SNDHWM, 1)
+        dealer.setsockopt(zmq.SNDBUF, 4096)
+    endpoint = f"ipc://{folder}/s"
+    router.bind(endpoint)
+    dealer.setsockopt(zmq.IDENTITY, b"w")
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(endpoint)
+    try:
+        yield dealer, router
+    finally:
+        dealer.close(0)
+        router.close(0)
+        ctx.term()
 
 
 def make_keys(folder: Path, *names: str) -> None:

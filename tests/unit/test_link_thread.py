@@ -18,7 +18,7 @@ from model_worker import link_thread
 from model_worker.engines.transformers.codec import TokenizerCodec
 from model_worker.link_thread import LinkThread, PeerUnresponsive
 from model_worker.prompt_desk import PreparedJob, PromptDesk
-from tests.harness import wait_until
+from tests.harness import dealer_and_router, wait_until
 from wire import messages as wire
 from wire.params import SamplingParams, WorkerSpec
 from wire.results import RejectCode
@@ -30,24 +30,8 @@ FORWARD = frozenset({wire.Cancel, wire.Shutdown})
 
 @pytest.fixture
 def sockets(tmp_path: Path) -> Iterator[tuple[zmq.Socket, zmq.Socket]]:
-    ctx = zmq.Context()
-    router = ctx.socket(zmq.ROUTER)
-    router.setsockopt(zmq.RCVHWM, 1)
-    router.setsockopt(zmq.RCVBUF, 4096)
-    endpoint = f"ipc://{tmp_path}/s"
-    router.bind(endpoint)
-    dealer = ctx.socket(zmq.DEALER)
-    dealer.setsockopt(zmq.SNDHWM, 1)
-    dealer.setsockopt(zmq.SNDBUF, 4096)
-    dealer.setsockopt(zmq.IDENTITY, b"w")
-    dealer.setsockopt(zmq.LINGER, 0)
-    dealer.connect(endpoint)
-    try:
-        yield dealer, router
-    finally:
-        dealer.close(0)
-        router.close(0)
-        ctx.term()
+    with dealer_and_router(tmp_path, small_buffers=True) as pair:
+        yield pair
 
 
 @pytest.fixture

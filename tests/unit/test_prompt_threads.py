@@ -23,7 +23,7 @@ from model_worker.engines.transformers.codec import TokenizerCodec
 from model_worker.link_thread import LinkThread
 from model_worker.prompt_desk import PREPARING_THREADS, PreparedEmbed, PreparedJob, PromptDesk
 from model_worker.prompt_threads import PromptThreads
-from tests.harness import wait_until
+from tests.harness import dealer_and_router, wait_until
 from wire import messages as wire
 from wire.params import SamplingParams, WorkerSpec
 from wire.stats import EngineInfo
@@ -262,20 +262,8 @@ def test_close_prepares_what_has_arrived_then_stops_every_thread(desk: HeldDesk)
 
 @pytest.fixture
 def sockets(tmp_path: Path) -> Iterator[tuple[zmq.Socket, zmq.Socket]]:
-    ctx = zmq.Context()
-    router = ctx.socket(zmq.ROUTER)
-    endpoint = f"ipc://{tmp_path}/s"
-    router.bind(endpoint)
-    dealer = ctx.socket(zmq.DEALER)
-    dealer.setsockopt(zmq.IDENTITY, b"w")
-    dealer.setsockopt(zmq.LINGER, 0)
-    dealer.connect(endpoint)
-    try:
-        yield dealer, router
-    finally:
-        dealer.close(0)
-        router.close(0)
-        ctx.term()
+    with dealer_and_router(tmp_path) as pair:
+        yield pair
 
 
 def test_a_preparing_thread_that_fails_fails_the_link_and_close_still_stops_it_all(
