@@ -92,7 +92,7 @@ async def messages(data: MessagesRequest) -> Any:
         plan = _tool_plan(chat, route)
         options = chat.chat_options(plan.tools if plan.active else [])
         params = chat.sampling_params(route.config, None, plan.constraint_schema())
-        plan.check_output_constraint(params.json_schema is not None, "output_config")
+        plan.check_output_constraint(params.json_schema is not None, "output_config", "none, any or tool")
         params, reasoning = plan_reasoning(route.config, options.template_kwargs, thinking.budget, "thinking",
                                            params)  # fmt: skip
         inputs = [ChoiceInput(messages=[m.to_wire() for m in chat.messages], chat=options)]

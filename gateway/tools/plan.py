@@ -71,17 +71,19 @@ class ToolPlan:
             return json.dumps(schema, separators=(",", ":"))
         return None
 
-    def check_output_constraint(self, json_constraint: bool, field: str) -> None:
+    def check_output_constraint(
+        self, json_constraint: bool, field: str, other_choices: str = "none, required or a named function"
+    ) -> None:
         """Under tool_choice auto a JSON constraint (response_format, guided_json, ...) holds the
         whole output to one JSON value; unless the parser reads calls from bare JSON, the model could
         then never call a tool. InvalidRequest naming `field` then, rather than tools quietly
-        dropped. A regex may write the parser's tags, so it stays the client's to shape."""
+        dropped. A regex may write the parser's tags, so it stays the client's to shape. `other_choices`
+        names the tool_choice values that may go with it, in the client's API."""
         if self.mode != "auto" or not json_constraint or self.parser is None or self.parser.reads_bare_json:
             return
         raise InvalidRequest(
             f"{field} cannot be combined with tools under tool_choice auto: its JSON output could never "
-            f"hold a {self.parser.name} tool call; use tool_choice none, required or a named function, "
-            f"or leave {field} out",
+            f"hold a {self.parser.name} tool call; use tool_choice {other_choices}, or leave {field} out",
             param=field,
         )
 
