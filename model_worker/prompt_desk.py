@@ -3,7 +3,8 @@
 Runs in the worker process, on its preparing threads (model_worker.prompt_threads), several at once.
 Owns the work a Generate needs before an engine can take it, none of which touches the engine:
 rendering chat messages with the model's template, tokenizing with a tokenizer the engine hands out
-for another thread (`Engine.text_codec`), and the shared checks (engines.validation). A Generate
+for another thread (`Engine.text_codec`), keeping only a prompt's last tokens when the request
+says so (`truncate_prompt_tokens`), and the shared checks (engines.validation). A Generate
 becomes a `PreparedJob`: its ids, or the rejection to answer it with; an Embed likewise becomes a
 `PreparedEmbed`, its inputs tokenized and checked (empty, too long, ids out of range, not an
 embedding model), so that the engine thread only runs them (model_worker.embedding_batch).
@@ -89,6 +90,7 @@ class PromptDesk:
                     "model",
                 )
             prompt_ids = self._builders.mine().ids(msg.prompt, msg.prompt_token_ids, msg.messages, msg.chat)
+            prompt_ids = last_tokens(prompt_ids, msg.params.truncate_prompt_tokens)
             check_job(prompt_ids, msg.params, self.info.max_seq_len, self.info.vocab_size, self.supported,
                       self.spec.engine, "messages" if msg.messages is not None else "prompt")  # fmt: skip
         except RequestRejected as exc:
@@ -103,12 +105,14 @@ class PromptDesk:
                 )
             inputs: list[list[int]] = []
             codec = self._builders.mine().codec
+            cut = msg.truncate_prompt_tokens
             # Each input is checked as it is tokenized: a text that is too long refuses the request
             # before the texts after it cost the tokenizer anything.
             for text in msg.texts or []:
-                inputs.append(self._check_input(codec.encode(text, add_special_tokens=True)))
+                ids = codec.encode(text, add_special_tokens=True)
+                inputs.append(self._check_input(last_tokens(ids, cut)))
             for ids in msg.token_ids or []:
-                inputs.append(self._check_input(list(ids)))
+                inputs.append(self._check_input(last_tokens(list(ids), cut)))
         except RequestRejected as exc:
             return PreparedEmbed(msg, None, exc)
         return PreparedEmbed(msg, inputs)
@@ -147,6 +151,13 @@ class PromptDesk:
             return wire.Rejected(msg.rid, RejectCode.INVALID_TOKENS, message, "tokens")
         text = self._builders.mine().codec.decode(list(msg.token_ids))
         return wire.Tokens(msg.rid, list(msg.token_ids), text)
+
+
+def last_tokens(ids: list[int], keep: int | None) -> list[int]:
+    """vLLM's truncate_prompt_tokens: a prompt's last `keep` tokens (None: all of them). The cut
+    comes after the chat template and the special tokens, so it may drop a system prompt or a
+    beginning-of-text token, as vLLM's does."""
+    return ids if keep is None or len(ids) <= keep else ids[-keep:]
 
 
 class _BuilderPerThread:

@@ -237,7 +237,14 @@ class GatewayProcess:
             cmd, env=self.env, stdout=self._log, stderr=subprocess.STDOUT, cwd=REPO_ROOT
         )
         if self.wait_ready:
-            self.wait_until_ready(self.ready_timeout)
+            try:
+                self.wait_until_ready(self.ready_timeout)
+            except BaseException:  # __exit__ never runs for a failed __enter__: stop it and close its log
+                try:
+                    self.stop()
+                finally:
+                    self._log.close()
+                raise
         return self
 
     def _check_running(self) -> None:

@@ -38,6 +38,7 @@ MAX_PLAIN_DEPTH = 32
 # Field types with constraints msgspec checks while decoding (construction in code is not checked).
 Finite = Annotated[float, msgspec.Meta(ge=-sys.float_info.max, le=sys.float_info.max)]  # no nan, no inf
 Count = Annotated[int, msgspec.Meta(ge=0)]
+PromptCut = Annotated[int, msgspec.Meta(ge=1)]  # tokens of a prompt to keep, from its end
 
 
 class ProtocolError(ValueError):

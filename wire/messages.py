@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from wire.codec import Codec, Count, Finite, Message
+from wire.codec import Codec, Count, Finite, Message, PromptCut
 from wire.params import ChatMessage, ChatOptions, SamplingParams
 from wire.results import AbortReason, JobOutput, RejectCode
 from wire.states import WorkerState
@@ -35,7 +35,9 @@ from wire.trace_context import TraceParent
 # version 7 worker would refuse every Generate of version 8.
 # 9: logprob entries carry the bytes of a token that is part of a character (`raw`): a version 8
 # gateway would refuse every such Step.
-PROTOCOL_VERSION = 9
+# 10: a job's parameters and Embed carry `truncate_prompt_tokens`: a version 9 worker would refuse
+# every Generate of version 10.
+PROTOCOL_VERSION = 10
 
 # ---- gateway -> worker -------------------------------------------------------------------------
 
@@ -94,6 +96,7 @@ class Embed(Message, frozen=True):
     texts: list[str] | None
     token_ids: list[list[int]] | None
     traceparent: TraceParent | None = None
+    truncate_prompt_tokens: PromptCut | None = None  # keep each input's last k tokens
     TAG: ClassVar[str] = "embed"
 
     def __post_init__(self) -> None:

@@ -14,7 +14,7 @@ from typing import Any
 
 import msgspec
 
-from wire.codec import Finite, Struct, check_plain
+from wire.codec import Finite, PromptCut, Struct, check_plain
 
 
 class SamplingParams(Struct, frozen=True):
@@ -54,6 +54,9 @@ class SamplingParams(Struct, frozen=True):
     bad_words: list[str] = []
     # When non-empty, the only token ids that may be generated (vLLM's allowed_token_ids).
     allowed_token_ids: list[int] = []
+    # vLLM's truncate_prompt_tokens: None keeps the whole prompt; k keeps only its last k tokens,
+    # cut after tokenizing and templating (the gateway has turned -1 into the context length).
+    truncate_prompt_tokens: PromptCut | None = None
 
     def with_seed(self, seed: int | None) -> SamplingParams:
         return msgspec.structs.replace(self, seed=seed)

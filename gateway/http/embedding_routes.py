@@ -18,7 +18,7 @@ from quart_schema import validate_request
 
 from gateway.errors import InvalidRequest, as_api_error
 from gateway.http.current import current_gateway
-from gateway.http.schemas import TokenId
+from gateway.http.schemas import PromptCutRequest, TokenId, prompt_cut
 from gateway.http.serving_path import serve_exchange
 from gateway.observability import tracing
 from gateway.observability.logging_setup import set_log_context
@@ -42,9 +42,7 @@ class EmbeddingRequest(BaseModel):
     )
     user: str | None = None
     timeout: float | None = Field(None, gt=0, description="Per-request deadline in seconds (extension).")
-    truncate_prompt_tokens: int | None = Field(
-        None, ge=-1, lt=2**31, description="Refused (vLLM): inputs are never cut."
-    )
+    truncate_prompt_tokens: PromptCutRequest = None
 
     @field_validator("input", mode="before")
     @classmethod
@@ -118,10 +116,10 @@ async def embeddings(data: EmbeddingRequest) -> Any:
         raise InvalidRequest(
             f"model '{route.config.name}' is not an embedding model (registry task: embed)", param="model"
         )
-    if data.truncate_prompt_tokens is not None:
-        raise InvalidRequest("truncate_prompt_tokens is not supported", param="truncate_prompt_tokens")
+    cut = prompt_cut(data.truncate_prompt_tokens, route.config.max_seq_len)
     texts, token_ids = data.inputs()
-    size = sum(len(t) // 4 for t in texts or []) + sum(len(ids) for ids in token_ids or [])
+    sizes = [len(t) // 4 for t in texts or []] + [len(ids) for ids in token_ids or []]
+    size = sum(sizes if cut is None else (min(s, cut) for s in sizes))
     recorder = start_request(route.config.name)  # an error is counted with its status after the route
     span = None
     if tracing.ENABLED:
@@ -133,7 +131,10 @@ async def embeddings(data: EmbeddingRequest) -> Any:
     try:
         # Through its owner like a generation: a drain, a reload or a shutdown sees it.
         reply = await serve_exchange(
-            route, lambda rid: wire.Embed(rid, texts, token_ids, traceparent), data.timeout, slot_work=size
+            route,
+            lambda rid: wire.Embed(rid, texts, token_ids, traceparent, cut),
+            data.timeout,
+            slot_work=size,
         )
         width = len(reply.vectors[0]) if reply.vectors else 0
         if data.dimensions is not None and data.dimensions != width:

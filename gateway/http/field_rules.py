@@ -68,7 +68,6 @@ Refusal = tuple[tuple[Any, ...], str]
 # vLLM's extensions that would change the output and that nothing here honours: null, or a value
 # that changes nothing, is accepted; any other value is a 400 naming the field.
 UNSUPPORTED_VLLM: dict[str, Refusal] = {
-    "truncate_prompt_tokens": ((), "truncate_prompt_tokens is not supported"),
     "use_beam_search": ((False,), "use_beam_search is not supported"),
     "length_penalty": ((1.0,), "length_penalty is not supported (it weighs beams; no beam search here)"),
     "skip_special_tokens": ((True,), "skip_special_tokens false is not supported (they are skipped)"),

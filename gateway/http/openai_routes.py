@@ -92,6 +92,10 @@ async def chat_completions(data: ChatCompletionRequest) -> Any:
 async def completions(data: CompletionRequest) -> Any:
     if data.suffix:
         raise InvalidRequest("suffix is not supported", param="suffix")
+    if data.echo and data.truncate_prompt_tokens is not None:
+        # The echo would be the whole prompt, its logprobs and usage those of the part the model saw.
+        message = "truncate_prompt_tokens cannot be combined with echo"
+        raise InvalidRequest(message, param="truncate_prompt_tokens")
 
     async def plan_for(route: ModelRoute, model: str) -> Generation:
         prompts = data.prompts()

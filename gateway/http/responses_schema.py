@@ -108,7 +108,7 @@ class ResponsesRequest(BaseModel):
         if self.top_logprobs:
             raise InvalidRequest("top_logprobs is not supported on /v1/responses", param="top_logprobs")
         if self.truncation not in (None, "disabled"):
-            raise InvalidRequest("truncation must be disabled: prompts are never cut", param="truncation")
+            raise InvalidRequest("truncation must be disabled: input is never dropped", param="truncation")
         if self.text is not None:
             _refuse_malformed_text(self.text)
         for name in sorted(self.model_extra or {}):

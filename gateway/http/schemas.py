@@ -19,6 +19,7 @@ import re
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -45,6 +46,35 @@ MAX_PROMPTS = 256
 MAX_WORD_LISTS = 256
 # Token ids travel as msgpack ints; bound them here so a wild value is a 400, not an encoder error.
 TokenId = Annotated[int, Field(ge=0, lt=2**31)]
+
+
+def _no_empty_cut(value: int | None) -> int | None:
+    if value == 0:
+        raise ValueError("must be -1 (the context length) or at least 1")
+    return value
+
+
+# vLLM's truncate_prompt_tokens: keep only the prompt's last k tokens; -1 for the context length.
+PromptCutRequest = Annotated[
+    int | None,
+    Field(ge=-1, lt=2**31, description="vLLM: only the prompt's last k tokens (-1: the context length)."),
+    AfterValidator(_no_empty_cut),
+]
+
+
+def prompt_cut(requested: int | None, max_seq_len: int) -> int | None:
+    """truncate_prompt_tokens as the worker takes it: None, or the tokens to keep; a 400 naming the
+    field when it asks for more than the model's context."""
+    if requested is None:
+        return None
+    if requested == -1:
+        return max_seq_len
+    if requested > max_seq_len:
+        message = f"truncate_prompt_tokens ({requested}) must not exceed the model's context ({max_seq_len})"
+        raise InvalidRequest(message, param="truncate_prompt_tokens")
+    return requested
+
+
 # A logit_bias key: a token id in ASCII decimal digits (str.isdigit also takes "١٢" and "²").
 _TOKEN_ID_KEY = re.compile(r"[0-9]{1,10}")
 # strict: a value of the wrong JSON type is a 400 naming the field, as OpenAI answers it (never read
@@ -106,6 +136,7 @@ class _Request(BaseModel):
     thinking_token_budget: int | None = Field(
         None, ge=1, lt=2**31, description="vLLM: thinking tokens at most (a model with a reasoning_parser)."
     )
+    truncate_prompt_tokens: PromptCutRequest = None
 
     @field_validator("stop")
     @classmethod
@@ -217,6 +248,7 @@ class _Request(BaseModel):
             banned_strings=banned,
             bad_words=[w for w in self.bad_words or [] if w],
             allowed_token_ids=list(self.allowed_token_ids or []),
+            truncate_prompt_tokens=prompt_cut(self.truncate_prompt_tokens, model.max_seq_len),
         )
 
     def constraint_field(self, tool_constraint: bool) -> str:

@@ -156,7 +156,7 @@ async def _fallback_if_needed(
     between them. When no fallback can take it, the primary's own rules apply (wait, or refuse)."""
     if not primary.config.fallbacks:
         return primary, generation
-    size = sum(choice.size_estimate() for choice in generation.inputs)
+    size = sum(choice.size_estimate(generation.params.truncate_prompt_tokens) for choice in generation.inputs)
     reason = primary.fallback_reason(len(generation.inputs), size)
     if reason is None:
         return primary, generation

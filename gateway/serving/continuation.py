@@ -53,6 +53,9 @@ async def _continue(owner: RequestOwner, choice: Choice, cut: Cut) -> None:
         owner.finish_suspended(choice, FinishReason.LENGTH)
         return
     prompt = await _prompt_ids(owner, choice)
+    keep = choice.params.truncate_prompt_tokens
+    if keep is not None:  # the first job saw only these: the continuation sees them, then what it wrote
+        prompt = prompt[-keep:]
     ids = [*prompt, *text.generated_ids]
     if cut is Cut.CLOSE_THINKING:
         ids += await _token_ids(owner, choice, plan.parser.closing)
@@ -62,6 +65,7 @@ async def _continue(owner: RequestOwner, choice: Choice, cut: Cut) -> None:
         "max_tokens": remaining,
         "min_tokens": max(choice.params.min_tokens - text.generated_tokens, 0),
         "prompt_logprobs": None,  # the prompt's were sent with the first job
+        "truncate_prompt_tokens": None,  # cut above, before the thinking was added
         **(plan.withheld or {}),
     }
     answer = await owner.restart_job(choice, ids, replace_params(choice.params, **changes))

@@ -25,10 +25,12 @@ class ChoiceInput:
     chat: ChatOptions | None = None  # with messages: tools and the template's switches
     prompt_index: int = 0  # which prompt of the request (a list of prompts): n choices share one
 
-    def size_estimate(self) -> int:
-        """Prompt tokens, roughly, before the worker has tokenized it (admission and routing)."""
+    def size_estimate(self, keep: int | None = None) -> int:
+        """Prompt tokens, roughly, before the worker has tokenized it (admission and routing); at
+        most `keep` when the job keeps only the prompt's last tokens (truncate_prompt_tokens)."""
         chars = len(self.prompt or "") + sum(len(m.content) for m in self.messages or [])
-        return chars // 4 + len(self.prompt_token_ids or [])
+        size = chars // 4 + len(self.prompt_token_ids or [])
+        return size if keep is None else min(size, keep)
 
 
 @dataclass(frozen=True, slots=True)

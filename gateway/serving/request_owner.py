@@ -150,7 +150,7 @@ class RequestOwner:
         send each its Generate and wait for every answer. A replica that fails before it accepted
         its job ends the attempt; the whole request then tries again on the other replicas."""
         route = self.route
-        sizes = [choice.input.size_estimate() for choice in self.choices]
+        sizes = [choice.input.size_estimate(choice.params.truncate_prompt_tokens) for choice in self.choices]
         for choice, size in zip(self.choices, sizes, strict=True):
             choice.work = size + choice.params.max_tokens
         avoid: frozenset[str] = frozenset()

@@ -161,7 +161,6 @@ def test_free_form_fields_too_deep_or_not_finite_are_400(
 
 # vLLM's extensions that change the output and that nothing here honours, with a value that does.
 VLLM_REFUSED = [
-    ("truncate_prompt_tokens", 8),
     ("use_beam_search", True),
     ("return_tokens_as_token_ids", True),
     ("length_penalty", 0.5),

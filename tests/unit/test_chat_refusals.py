@@ -45,7 +45,6 @@ def test_text_modalities_and_unknown_vendor_fields_pass() -> None:
 
 # vLLM's extensions that nothing here honours, each with a value that would change the output.
 VLLM_REFUSED = [
-    ("truncate_prompt_tokens", 8),
     ("use_beam_search", True),
     ("length_penalty", 0.8),
     ("skip_special_tokens", False),

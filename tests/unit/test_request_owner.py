@@ -623,14 +623,20 @@ def thinking(budget: int | None, withheld: dict[str, Any] | None = None) -> Text
     return TextPlan(reasoning=ReasoningPlan(parser_named("deepseek_r1"), budget, withheld))
 
 
-def test_a_spent_thinking_budget_closes_the_thinking_and_the_answer_continues(tmp_path: Path) -> None:
+@pytest.mark.parametrize("keep", [None, 2])
+def test_a_spent_thinking_budget_closes_the_thinking_and_the_answer_continues(
+    tmp_path: Path, keep: int | None
+) -> None:
     """The job is cancelled at the budget; the continuation's prompt is the prompt, every token so
     far and the closing tag, all tokenized by the same worker; the constraint held back while the
-    model thought applies to it; the choice's usage spans both jobs."""
+    model thought applies to it; the choice's usage spans both jobs. With truncate_prompt_tokens the
+    continuation keeps the part of the prompt the first job saw, then adds what it wrote: the cut
+    is not applied again to the prompt and the thinking together."""
 
     async def scenario() -> None:
         async with rig(tmp_path) as r:
-            owner = r.open(text_plan=thinking(3, SCHEMA), choice_input=CHAT, max_tokens=10, min_tokens=5)
+            owner = r.open(text_plan=thinking(3, SCHEMA), choice_input=CHAT, max_tokens=10, min_tokens=5,
+                           truncate_prompt_tokens=keep)  # fmt: skip
             handler = asyncio.create_task(consume(owner))
             peer = r.peers["w0"]
             (first,) = await peer.generates(1, accept=True)
@@ -647,8 +653,10 @@ def test_a_spent_thinking_budget_closes_the_thinking_and_the_answer_continues(tm
             assert not closing.add_special_tokens
             await peer.send(wire.Tokens(closing.rid, [9, 9], "\n</think>\n\n"))
             (second,) = await peer.generates(1, accept=True)
-            assert second.prompt_token_ids == [1, 2, 3, 11, 12, 13, 9, 9] and second.messages is None
+            seen = [1, 2, 3] if keep is None else [1, 2, 3][-keep:]
+            assert second.prompt_token_ids == [*seen, 11, 12, 13, 9, 9] and second.messages is None
             params = second.params
+            assert params.truncate_prompt_tokens is None
             assert (params.max_tokens, params.min_tokens, params.json_schema) == (7, 2, '{"type":"object"}')
             await peer.send(wire.Step([output(second.rid, "{}", FinishReason.STOP)]))
             events = await asyncio.wait_for(handler, 2)
