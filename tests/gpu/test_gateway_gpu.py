@@ -99,6 +99,20 @@ def test_completion_matches_the_engine(
     assert body["usage"]["completion_tokens"] == 32
 
 
+def test_a_cut_prompt_matches_the_engine_on_its_last_tokens(
+    served: Served, client: httpx.Client, engine_pool: Any, tiny_model: Path
+) -> None:
+    """truncate_prompt_tokens: the job sees the prompt's last k tokens, as the engine run on them."""
+    mode, _ = served
+    engine = engine_pool.get(mode, tiny_model, TINY_SETTINGS)
+    ids = engine.encode(PROMPT, True)
+    keep = len(ids) // 2
+    body = completion(client, "tiny", max_tokens=16, truncate_prompt_tokens=keep)
+    direct = run_job(engine, ids[-keep:], greedy(16))
+    assert body["choices"][0]["text"] == direct.text
+    assert body["usage"]["prompt_tokens"] == keep
+
+
 def test_mode_is_visible_in_admin_workers_and_the_log(served: tuple[str, GatewayProcess]) -> None:
     mode, gw = served
     info = gw.workers()[0]["info"]
